@@ -1,0 +1,18 @@
+"""Entry point of the ``verl.plugins`` group: verl imports this module in every process that imports verl.
+
+It registers, in verl's own registries, the policy-loss modes ``amir_grpo`` / ``amir_gspo``
+(:mod:`amir_verl.actor_loss`) and the V1 trainer mode ``amir`` (:mod:`amir_verl.trainer`).
+
+verl swallows plugin import errors at DEBUG level, so a failure here would only show up later as
+"Unsupported loss mode"; ``python -m amir_verl.verl_plugin`` imports it loudly to check an install.
+"""
+
+import amir_verl.actor_loss  # noqa: F401  (registers the policy-loss modes)
+import amir_verl.trainer  # noqa: F401  (registers trainer mode "amir")
+
+if __name__ == "__main__":
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+
+    print("policy losses:", ", ".join(m for m in POLICY_LOSS_REGISTRY if m.startswith("amir")))
+    print("trainer modes:", ", ".join(sorted(TRAINER_REGISTRY)))

@@ -1,0 +1,26 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="amir-verl",
+    version="0.1.0",
+    description="AMIR-GRPO and AMIR-GSPO (GRPO/GSPO plus an implicit in-group preference term) as a verl plugin",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10,<3.13",
+    packages=find_packages(include=["amir_verl", "amir_verl.*"]),
+    include_package_data=True,
+    install_requires=[
+        "verl[verl-core]==0.9.1",
+        "torch>=2.4",
+        "transformers>=5.5.3,<5.11,!=5.6.0",
+        "ray[default]>=2.41.0",
+        "hydra-core>=1.3",
+        "datasets",
+    ],
+    extras_require={
+        # GPU users: vllm (and the torch it pins) through verl's own extra.
+        "gpu": ["verl[vllm]==0.9.1"],
+        "test": ["pytest>=8", "pytest-asyncio", "hypothesis>=6"],
+    },
+    entry_points={"verl.plugins": ["amir = amir_verl.verl_plugin"]},
+)
