@@ -104,7 +104,7 @@ def compute_step_fields(
     mask = response_mask.bool()
     check_finite("sequence rewards", sequence_rewards)
     check_finite("old_log_probs (response tokens)", old_log_probs[mask])
-    l_old = length_normalised_log_probs(old_log_probs.float(), mask)
+    l_old = length_normalised_log_probs(old_log_probs.double(), mask)
     if config.reference_free:
         l_ref = torch.zeros_like(l_old)
     else:
@@ -117,7 +117,7 @@ def compute_step_fields(
         if ref_log_probs.shape != response_mask.shape:
             raise ValueError(f"ref_log_probs shape {tuple(ref_log_probs.shape)} != {tuple(response_mask.shape)}")
         check_finite("ref_log_prob (response tokens)", ref_log_probs[mask])
-        l_ref = length_normalised_log_probs(ref_log_probs.float(), mask)
+        l_ref = length_normalised_log_probs(ref_log_probs.double(), mask)
 
     eligible = mask.any(dim=-1)
     if is_padding is not None:
@@ -147,8 +147,8 @@ def compute_step_fields(
     stats = summarise_preference_pairs(pairs, logits, l_old, num_groups)
     partner_score, partner_sign = partner_table(pairs, n, l_old - l_ref)
     if partner_score.shape[1] == 0:  # keep one (unused) column: a zero-width field is a needless corner case
-        partner_score = torch.zeros(n, 1)
-        partner_sign = torch.zeros(n, 1)
+        partner_score = torch.zeros(n, 1, dtype=l_old.dtype)
+        partner_sign = torch.zeros(n, 1, dtype=l_old.dtype)
     return StepFields(l_ref, partner_score, partner_sign, stats)
 
 

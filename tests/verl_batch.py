@@ -1,0 +1,273 @@
+"""A step batch in verl 0.9.1's V1 actor layout, a tiny random model, and the worker's update path.
+
+The actor side mirrors ``FSDPEngine.forward_backward_batch`` on each data-parallel rank: verl's
+``prepare_micro_batches`` splits the rank's share (fixed size or dynamic), the loss function gets
+``model_output["log_probs"]`` as a jagged tensor over prompt+response tokens, each micro-batch loss is
+back-propagated on its own, and the rank gradients are averaged as FSDP does.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+from verl.utils import tensordict_utils as tu
+from verl.workers.config import ActorConfig, PolicyLossConfig
+from verl.workers.engine.utils import prepare_micro_batches
+
+from amir_verl.config import AmirConfig
+from amir_verl.step_batch import (
+    EXTRA_LOSS_SCALE,
+    FIELD_PARTNER_SCORE,
+    FIELD_PARTNER_SIGN,
+    FIELD_REF_SEQ_LOGP,
+    compute_step_fields,
+    loss_scale,
+)
+
+VOCAB = 48
+
+
+def tiny_model(seed: int = 0, dtype=torch.float64) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+    )
+    config._attn_implementation = "eager"
+    return Qwen2ForCausalLM(config).to(dtype)
+
+
+def token_log_probs(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """(L,) verl's NO_PADDING convention: entry t is log p(input_ids[t+1] | input_ids[:t+1]); last is 0."""
+    logits = model(input_ids=input_ids.unsqueeze(0)).logits[0]
+    lp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, input_ids[1:].unsqueeze(-1)).squeeze(-1)
+    return torch.cat([lp, lp.new_zeros(1)])
+
+
+def nested(rows: list[torch.Tensor]) -> torch.Tensor:
+    """A jagged nested tensor (verl's NO_PADDING layout); keeps the autograd graph of ``rows``."""
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
+@dataclass
+class StepBatch:
+    """One step batch: per-sample python lists plus the actor TensorDict verl would hand the workers."""
+
+    prompts: list[torch.Tensor]
+    responses: list[torch.Tensor]
+    rewards: torch.Tensor  # (N,)
+    uids: list[str]
+    keys: list[str]
+    is_padding: list[bool]
+    old_log_probs: list[torch.Tensor]  # per sample, response length
+    ref_log_probs: list[torch.Tensor]
+    advantages: list[torch.Tensor]
+
+    def __len__(self):
+        return len(self.uids)
+
+    def response_mask(self, i: int) -> torch.Tensor:
+        return torch.zeros(len(self.responses[i])) if self.is_padding[i] else torch.ones(len(self.responses[i]))
+
+
+def response_log_probs(model, prompt, response) -> torch.Tensor:
+    ids = torch.cat([prompt, response])
+    lp = token_log_probs(model, ids)
+    return lp[len(prompt) - 1 : len(ids) - 1]
+
+
+def make_step_batch(
+    model, ref_model, group_sizes, *, seed=0, reward_values=(0.0, 0.25, 1.0, 1.1, 1.35), num_padding=0,
+    empty_response_at=None, max_response=10,
+) -> StepBatch:
+    rng = random.Random(seed)
+    prompts, responses, rewards, uids, keys, pad = [], [], [], [], [], []
+    for g, size in enumerate(group_sizes):
+        uid = f"u{g:03d}x{rng.randrange(10**6)}"
+        prompt = torch.tensor([rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 5))])
+        constant = rng.choice(reward_values) if size > 2 and g % 4 == 3 else None  # some all-equal groups
+        for s in range(size):
+            prompts.append(prompt)
+            responses.append(torch.tensor([rng.randrange(1, VOCAB) for _ in range(rng.randint(1, max_response))]))
+            rewards.append(constant if constant is not None else rng.choice(reward_values))
+            uids.append(uid)
+            keys.append(f"{uid}_{s}_0")
+            pad.append(False)
+    if empty_response_at is not None:
+        responses[empty_response_at] = torch.tensor([], dtype=torch.long)
+    pad_uid = "pad0123"
+    for s in range(num_padding):  # like verl's upsample_batch_to_divisible_size: one uid, 1-token responses
+        prompts.append(prompts[0])
+        responses.append(torch.tensor([1]))
+        rewards.append(0.0)
+        uids.append(pad_uid)
+        keys.append(f"{pad_uid}_{s}_0")
+        pad.append(True)
+    with torch.no_grad():
+        old = [response_log_probs(model, p, r) for p, r in zip(prompts, responses)]
+        ref = [response_log_probs(ref_model, p, r) for p, r in zip(prompts, responses)]
+    rewards_t = torch.tensor(rewards, dtype=torch.float64)
+    batch = StepBatch(prompts, responses, rewards_t, uids, keys, pad, old, ref, [])
+    # GRPO advantages with verl's estimator on the padded layout (reward on the last response token)
+    width = max(1, max(len(r) for r in responses))
+    mask = torch.zeros(len(uids), width)
+    scores = torch.zeros(len(uids), width)
+    for i in range(len(uids)):
+        m = batch.response_mask(i)
+        mask[i, : len(m)] = m
+        if m.sum() > 0:
+            scores[i, len(m) - 1] = rewards[i]
+    import numpy as np
+
+    adv, _ = compute_grpo_outcome_advantage(scores, mask, np.array(uids, dtype=object))
+    batch.advantages = [adv[i, : len(responses[i])].to(torch.float64) for i in range(len(uids))]
+    return batch
+
+
+def padded(rows: list[torch.Tensor], width: int | None = None) -> torch.Tensor:
+    width = width if width is not None else max(1, max(len(r) for r in rows))
+    out = torch.zeros(len(rows), width, dtype=rows[0].dtype if rows else torch.float64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def amir_step_fields(batch: StepBatch, amir: AmirConfig):
+    masks = [batch.response_mask(i) for i in range(len(batch))]
+    return compute_step_fields(
+        amir,
+        sequence_rewards=batch.rewards,
+        uids=batch.uids,
+        response_mask=padded(masks),
+        old_log_probs=padded(batch.old_log_probs, padded(masks).shape[1]),
+        ref_log_probs=padded(batch.ref_log_probs, padded(masks).shape[1]),
+        sample_keys=batch.keys,
+        is_padding=batch.is_padding,
+    )
+
+
+def actor_tensordict(batch: StepBatch, order: list[int], fields=None, extra: dict | None = None) -> TensorDict:
+    """The actor's view of samples ``order`` (V1: nested per-sample tensors, uid as NonTensorStack)."""
+    tensors = {
+        "prompts": nested([batch.prompts[i] for i in order]),
+        "responses": nested([batch.responses[i] for i in order]),
+        "input_ids": nested([torch.cat([batch.prompts[i], batch.responses[i]]) for i in order]),
+        "response_mask": nested([batch.response_mask(i).long() for i in order]),
+        "old_log_probs": nested([batch.old_log_probs[i] for i in order]),
+        "ref_log_prob": nested([batch.ref_log_probs[i] for i in order]),
+        "advantages": nested([batch.advantages[i] for i in order]),
+        "uid": [batch.uids[i] for i in order],
+    }
+    if fields is not None:
+        tensors[FIELD_REF_SEQ_LOGP] = fields.ref_seq_logp[order]
+        tensors[FIELD_PARTNER_SCORE] = fields.partner_score[order]
+        tensors[FIELD_PARTNER_SIGN] = fields.partner_sign[order]
+    return tu.get_tensordict(tensor_dict=tensors, non_tensor_dict=extra or {})
+
+
+def actor_config(loss_mode="amir_grpo", loss_agg_mode="token-mean", kl_coef=0.001, micro=2, mini=8) -> ActorConfig:
+    gspo = loss_mode.endswith("gspo")
+    return ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_mini_batch_size=mini,
+        ppo_micro_batch_size_per_gpu=micro,
+        use_kl_loss=kl_coef is not None,
+        kl_loss_coef=kl_coef or 0.0,
+        kl_loss_type="low_var_kl",
+        loss_agg_mode=loss_agg_mode,
+        clip_ratio_low=3e-4 if gspo else 0.2,
+        clip_ratio_high=4e-4 if gspo else 0.28,
+        policy_loss=PolicyLossConfig(loss_mode=loss_mode),
+    )
+
+
+@dataclass
+class Layout:
+    """How the step batch reaches the loss: a permutation, ``dp`` contiguous rank shares, micro-batches."""
+
+    dp: int
+    micro_batch_size: int | None = None  # fixed-size micro-batches
+    max_token_len: int | None = None  # dynamic batch size (verl's rearrange_micro_batches)
+    seed: int = 0
+
+
+def run_actor_update(model, batch: StepBatch, loss_fn, layout: Layout, extra: dict, fields=None):
+    """Accumulate the update's gradient on ``model`` exactly as the ranks' FSDP average would.
+
+    Returns the list of (loss value, metrics) of every micro-batch.
+    """
+    n = len(batch)
+    assert n % layout.dp == 0
+    order = list(range(n))
+    random.Random(layout.seed).shuffle(order)
+    share = n // layout.dp
+    total_tokens = int(sum(batch.response_mask(i).sum() for i in range(n)))
+    outputs = []
+    for rank in range(layout.dp):
+        rank_order = order[rank * share : (rank + 1) * share]
+        td = actor_tensordict(batch, rank_order, fields, extra)
+        non_tensor = dict(dp_size=layout.dp, batch_num_tokens=total_tokens, global_batch_size=n)
+        if layout.max_token_len is not None:
+            non_tensor.update(use_dynamic_bsz=True, max_token_len_per_gpu=layout.max_token_len)
+        else:
+            non_tensor.update(use_dynamic_bsz=False, micro_batch_size_per_gpu=layout.micro_batch_size)
+        tu.assign_non_tensor(td, **non_tensor)
+        micro_batches, _ = prepare_micro_batches(td)
+        for mb in micro_batches:
+            ids = mb["input_ids"].unbind()
+            log_probs = nested([token_log_probs(model, x) for x in ids])
+            loss, metrics = loss_fn(model_output={"log_probs": log_probs}, data=mb)
+            (loss / layout.dp).backward()  # FSDP averages gradients over data-parallel ranks
+            outputs.append((loss.detach(), metrics))
+    return outputs
+
+
+def brute_force_pref_objective(model, ref_model_logps, batch: StepBatch, amir: AmirConfig) -> torch.Tensor:
+    """J_pref by the definition: python loops over groups and ordered pairs, l_theta with the graph."""
+    l_theta, l_ref = {}, {}
+    for i in range(len(batch)):
+        m = batch.response_mask(i)
+        if m.sum() == 0:
+            continue
+        lp = response_log_probs(model, batch.prompts[i], batch.responses[i])
+        l_theta[i] = lp.sum() / len(lp)
+        l_ref[i] = 0.0 if amir.reference_free else float(ref_model_logps[i].sum() / len(lp))
+    terms = []
+    for i in l_theta:
+        for j in l_theta:
+            if i == j or batch.uids[i] != batch.uids[j] or batch.is_padding[i] or batch.is_padding[j]:
+                continue
+            if float(batch.rewards[i]) - float(batch.rewards[j]) > amir.delta_r:
+                z = amir.beta_dpo * ((l_theta[i] - l_ref[i]) - (l_theta[j] - l_ref[j]))
+                terms.append(torch.nn.functional.logsigmoid(z))
+    if not terms:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack(terms).mean()
+
+
+def extra_info_for(fields, n: int, lambda_reg: float) -> dict:
+    """verl's batch ``extra_info`` for one on-policy update (one mini-batch: the whole step batch)."""
+    return {EXTRA_LOSS_SCALE: loss_scale(lambda_reg, fields.num_pairs, n, n)}
+
+
+def plain_metrics(metrics: dict) -> dict:
+    """verl metrics (floats or ``Metric`` objects) as comparable python values."""
+    from verl.utils.metric import Metric
+
+    def plain(v):
+        if isinstance(v, Metric):
+            return (v.aggregation, [plain(x) for x in v.values])
+        return float(v.detach()) if isinstance(v, torch.Tensor) else v
+
+    return {k: plain(v) for k, v in metrics.items()}
+
+
+def grads(model) -> list[torch.Tensor]:
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
