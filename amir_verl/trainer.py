@@ -92,7 +92,7 @@ class AmirPPOTrainer(PPOTrainerSync):
         if not self.amir.reference_free and "ref_log_prob" not in data.keys():
             raise RuntimeError("amir.reference=ref but verl computed no ref_log_prob for this batch")
         padded = data.to_padded_tensor()
-        uids = [str(u) for u in padded["uid"].tolist()]
+        uids = [str(u) for u in padded.pop("uid").tolist()]  # as PPOTrainer._compute_advantage reads it
         rewards = padded["token_level_rewards" if self.config.algorithm.use_kl_in_reward else "rm_scores"]
         step = compute_step_fields(
             self.amir,

@@ -198,10 +198,11 @@ class Layout:
     seed: int = 0
 
 
-def run_actor_update(model, batch: StepBatch, loss_fn, layout: Layout, extra: dict, fields=None):
+def run_actor_update(model, batch: StepBatch, loss_fn, layout: Layout, extra: dict, fields=None, from_store=None):
     """Accumulate the update's gradient on ``model`` exactly as the ranks' FSDP average would.
 
-    Returns the list of (loss value, metrics) of every micro-batch.
+    The actor data is built from ``batch`` (plus ``fields``), or taken from ``from_store``: the
+    TensorDict TransferQueue returns for the batch's keys. Returns (loss, metrics) per micro-batch.
     """
     n = len(batch)
     assert n % layout.dp == 0
@@ -212,7 +213,11 @@ def run_actor_update(model, batch: StepBatch, loss_fn, layout: Layout, extra: di
     outputs = []
     for rank in range(layout.dp):
         rank_order = order[rank * share : (rank + 1) * share]
-        td = actor_tensordict(batch, rank_order, fields, extra)
+        if from_store is not None:
+            td = tu.index_select_tensor_dict(from_store, rank_order)
+            tu.assign_non_tensor(td, **extra)
+        else:
+            td = actor_tensordict(batch, rank_order, fields, extra)
         non_tensor = dict(dp_size=layout.dp, batch_num_tokens=total_tokens, global_batch_size=n)
         if layout.max_token_len is not None:
             non_tensor.update(use_dynamic_bsz=True, max_token_len_per_gpu=layout.max_token_len)

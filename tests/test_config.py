@@ -1,0 +1,121 @@
+"""The `amir` config namespace and the run-level checks, on configs composed from verl 0.9.1's own yaml."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import verl
+from amir_verl.config import AmirConfig, describe_keys
+from amir_verl.run_config import validate_amir_run
+
+REPO = Path(__file__).resolve().parents[1]
+VERL_CONFIG = Path(verl.__file__).parent / "trainer" / "config"
+GRPO = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=vllm"]
+AMIR = ["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "trainer.v1.trainer_mode=amir"]
+
+
+def compose_verl(overrides, config_dir=VERL_CONFIG, name="ppo_trainer"):
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        return compose(config_name=name, overrides=overrides)
+
+
+def test_defaults_are_valid_and_documented():
+    cfg = AmirConfig()
+    assert cfg.reference == "ref" and cfg.pair_mode == "all" and cfg.lambda_adaptive
+    keys = [k for k, _, _ in describe_keys()]
+    assert keys == [f"amir.{f.name}" for f in dataclasses.fields(AmirConfig)]
+
+
+def test_recipe_yaml_repeats_the_dataclass_defaults():
+    yaml = OmegaConf.load(REPO / "recipes" / "config" / "amir_trainer.yaml")
+    assert OmegaConf.to_container(yaml.amir) == dataclasses.asdict(AmirConfig())
+
+
+def test_readme_lists_every_key_with_its_default():
+    readme = (REPO / "README.md").read_text()
+    for key, default, _ in describe_keys():
+        shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
+        assert f"| `{key}` | `{shown}` |" in readme, key
+
+
+@pytest.mark.parametrize(
+    "values,key",
+    [
+        ({"bta_dpo": 0.1}, "amir.bta_dpo"),
+        ({"beta_dpo": 0}, "amir.beta_dpo"),
+        ({"beta_dpo": float("nan")}, "amir.beta_dpo"),
+        ({"beta_dpo": "big"}, "amir.beta_dpo"),
+        ({"delta_r": -1}, "amir.delta_r"),
+        ({"pair_mode": "topk"}, "amir.pair_mode"),
+        ({"max_pairs_per_group": 0}, "amir.max_pairs_per_group"),
+        ({"max_pairs_per_group": 2.5}, "amir.max_pairs_per_group"),
+        ({"reference": "none"}, "amir.reference"),
+        ({"lambda_init": 0.5}, "amir.lambda_init"),  # outside [lambda_min, lambda_max] while adaptive
+        ({"lambda_init": -0.1, "lambda_adaptive": False}, "amir.lambda_init"),
+        ({"lambda_min": 0.1}, "amir.lambda_min"),
+        ({"target_ratio_low": 0.8}, "amir.target_ratio_low"),
+        ({"lambda_increase": 0.9}, "amir.lambda_increase"),
+        ({"lambda_decrease": 1.2}, "amir.lambda_decrease"),
+        ({"ratio_ema_decay": 1.0}, "amir.ratio_ema_decay"),
+        ({"lambda_adaptive": "yes"}, "amir.lambda_adaptive"),
+    ],
+)
+def test_bad_values_name_the_key(values, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        AmirConfig.from_mapping(values)
+
+
+def test_fixed_lambda_zero_is_allowed_and_ints_are_floats():
+    cfg = AmirConfig.from_mapping({"lambda_init": 0, "lambda_adaptive": False, "beta_dpo": 1})
+    assert cfg.lambda_init == 0.0 and isinstance(cfg.beta_dpo, float)
+
+
+def test_stock_grpo_plus_amir_overrides_validates():
+    config = compose_verl(GRPO + AMIR + ["actor_rollout_ref.actor.use_kl_loss=True", "+amir.beta_dpo=0.1"])
+    assert validate_amir_run(config).beta_dpo == 0.1
+
+
+def test_verl_validate_config_accepts_the_amir_loss_modes():
+    from verl.utils.config import validate_config
+
+    for mode in ("amir_grpo", "amir_gspo"):
+        config = compose_verl(
+            GRPO + [f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}", "trainer.v1.trainer_mode=amir",
+                    "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+                    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2", "trainer.n_gpus_per_node=1",
+                    "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                    "actor_rollout_ref.rollout.n=2"]
+        )
+        validate_config(config=config, use_reference_policy=True, use_critic=False)
+
+
+def test_missing_reference_fails_naming_the_override():
+    config = compose_verl(GRPO + AMIR)  # use_kl_loss defaults to False: no reference log-probs
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.use_kl_loss=True.*amir\.reference=ref_free"):
+        validate_amir_run(config)
+    ok = compose_verl(GRPO + AMIR + ["+amir.reference=ref_free"])
+    assert validate_amir_run(ok).reference_free
+
+
+def test_wrong_loss_mode_fails_naming_the_key():
+    config = compose_verl(GRPO + ["trainer.v1.trainer_mode=amir", "actor_rollout_ref.actor.use_kl_loss=True"])
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.policy_loss\.loss_mode"):
+        validate_amir_run(config)
+
+
+def test_unknown_key_in_composed_config():
+    config = compose_verl(GRPO + AMIR + ["actor_rollout_ref.actor.use_kl_loss=True", "+amir.lamda_init=0.02"])
+    with pytest.raises(ValueError, match=r"amir\.lamda_init"):
+        validate_amir_run(config)
+
+
+def test_recipe_config_composes_on_verl_and_validates():
+    config = compose_verl(["actor_rollout_ref.rollout.name=vllm", "amir.beta_dpo=0.3"], REPO / "recipes" / "config",
+                          "amir_trainer")
+    assert config.trainer.v1.trainer_mode == "amir"
+    assert config.actor_rollout_ref.actor.kl_loss_coef == 0.001  # verl's own default, inherited
+    assert validate_amir_run(config).beta_dpo == 0.3

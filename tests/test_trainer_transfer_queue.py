@@ -1,0 +1,156 @@
+"""The driver half of the glue on verl's real V1 data path: Ray + TransferQueue, no model workers.
+
+``AmirPPOTrainer._compute_advantage`` runs verl's own advantage step, then mines the step's pairs and
+stores the AMIR fields in TransferQueue. The actor batch is then read back from TransferQueue the way
+the workers' ``tqbridge`` reads it, split across ranks and micro-batches, and the gradient of the
+shipped loss is compared with brute-force autograd, as in ``test_exactness.py``.
+"""
+
+from functools import partial
+
+import pytest
+import ray
+import torch
+import transfer_queue as tq
+from omegaconf import OmegaConf
+from tensordict import TensorDict
+from transfer_queue import KVBatchMeta
+
+from amir_verl.actor_loss import amir_ppo_loss
+from amir_verl.step_batch import EXTRA_LOSS_SCALE, FIELD_PARTNER_SCORE
+from amir_verl.trainer import AmirPPOTrainer
+from tests.test_config import GRPO, compose_verl
+from tests.test_exactness import brute_force_gradient
+from tests.verl_batch import (
+    Layout,
+    actor_config,
+    grads,
+    make_step_batch,
+    nested,
+    run_actor_update,
+    tiny_model,
+)
+from verl.utils import tensordict_utils as tu
+
+LAMBDA = 0.5
+
+
+@pytest.fixture(scope="module")
+def transfer_queue():
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    config = compose_verl(GRPO)
+    tq_conf = config.transfer_queue
+    tq_conf.backend.SimpleStorage.num_data_storage_units = 1
+    tq.init(tq_conf)
+    yield
+    tq.close()
+    ray.shutdown()
+
+
+def make_trainer(overrides):
+    config = compose_verl(
+        GRPO
+        + ["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "trainer.v1.trainer_mode=amir",
+           "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.rollout.n=1",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=24"]
+        + overrides
+    )
+    OmegaConf.resolve(config)
+    # PPOTrainer.__init__ builds a replay buffer and dataloader state that need rollout servers; the
+    # advantage step only reads self.config, so construct the object without them.
+    trainer = AmirPPOTrainer.__new__(AmirPPOTrainer)
+    trainer.config = config
+    from amir_verl.run_config import validate_amir_run
+
+    trainer.amir = validate_amir_run(config)
+    trainer.lambda_controller = trainer.amir.make_lambda_controller()
+    trainer.lambda_controller.value = LAMBDA
+    return trainer
+
+
+def put_step_batch(batch, partition):
+    """What the rollout, old-log-prob and ref steps leave in TransferQueue for one step batch."""
+    n = len(batch)
+    rm_scores = []
+    for i in range(n):
+        s = torch.zeros(len(batch.responses[i]))
+        if batch.response_mask(i).sum() > 0:
+            s[-1] = float(batch.rewards[i])
+        rm_scores.append(s)
+    fields = tu.get_tensordict(
+        {
+            "prompts": nested(batch.prompts),
+            "responses": nested(batch.responses),
+            "input_ids": nested([torch.cat([p, r]) for p, r in zip(batch.prompts, batch.responses)]),
+            "response_mask": nested([batch.response_mask(i).long() for i in range(n)]),
+            "rm_scores": nested(rm_scores),
+            "old_log_probs": nested(batch.old_log_probs),
+            "ref_log_prob": nested(batch.ref_log_probs),
+            "uid": list(batch.uids),
+        }
+    )
+    tags = [{"is_padding": p} for p in batch.is_padding]
+    tq.kv_batch_put(keys=batch.keys, partition_id=partition, fields=fields, tags=tags)
+    return KVBatchMeta(keys=list(batch.keys), tags=tags, partition_id=partition)
+
+
+@pytest.mark.parametrize("reference", ["ref", "ref_free"])
+def test_compute_advantage_then_actor_update_is_exact(transfer_queue, reference):
+    model, ref_model = tiny_model(seed=0), tiny_model(seed=1)
+    batch = make_step_batch(model, ref_model, [6, 1, 5, 4, 4], seed=11, num_padding=4, empty_response_at=3)
+    meta = put_step_batch(batch, partition=f"train_{reference}")
+    trainer = make_trainer([f"+amir.reference={reference}", "+amir.beta_dpo=0.5"])
+
+    metrics = {}
+    meta = trainer._compute_advantage(meta, metrics)
+
+    assert metrics["amir/lambda"] == LAMBDA
+    assert metrics["amir/num_pairs"] > 0
+    assert metrics["amir/groups_without_pairs"] >= 1  # the group of one
+    assert meta.extra_info[EXTRA_LOSS_SCALE] == pytest.approx(LAMBDA / metrics["amir/num_pairs"])
+    stored = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id)
+    assert FIELD_PARTNER_SCORE in stored.keys() and "advantages" in stored.keys()
+
+    # the workers' view: everything TransferQueue holds for the keys, plus extra_info
+    actor_batch = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id)
+    expected, j_pref = brute_force_gradient(model, batch, trainer.amir, "amir_grpo", LAMBDA)
+    assert metrics["amir/pref_loss"] == pytest.approx(-float(j_pref), rel=1e-6)
+
+    loss_fn = partial(amir_ppo_loss, config=actor_config("amir_grpo"), beta_dpo=0.5)
+    model.zero_grad()
+    run_actor_update(
+        model, batch, loss_fn, Layout(dp=2, micro_batch_size=3, seed=4), dict(meta.extra_info),
+        from_store=actor_batch,
+    )
+    # TransferQueue keeps the AMIR fields in float32: agreement to float32 precision
+    for a, e in zip(grads(model), expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
+
+
+def test_no_reference_in_store_fails_clearly(transfer_queue):
+    model, ref_model = tiny_model(seed=0), tiny_model(seed=1)
+    batch = make_step_batch(model, ref_model, [3, 3], seed=2)
+    meta = put_step_batch(batch, partition="train_noref")
+    tq.kv_clear(keys=meta.keys, partition_id=meta.partition_id)
+    fields = tu.get_tensordict(
+        {
+            "response_mask": nested([batch.response_mask(i).long() for i in range(len(batch))]),
+            "rm_scores": nested([torch.zeros(len(r)) for r in batch.responses]),
+            "old_log_probs": nested(batch.old_log_probs),
+            "uid": list(batch.uids),
+        }
+    )
+    tq.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=fields, tags=meta.tags)
+    trainer = make_trainer([])
+    with pytest.raises(RuntimeError, match="ref_log_prob"):
+        trainer._compute_advantage(meta, {})
+
+
+def test_fields_survive_the_store_as_dense_rows(transfer_queue):
+    n, w = 5, 3
+    keys = [f"k{i}_0_0" for i in range(n)]
+    value = torch.arange(n * w, dtype=torch.float32).reshape(n, w)
+    tq.kv_batch_put(keys=keys, partition_id="shape", fields=TensorDict({"x": value}, batch_size=n), tags=[{}] * n)
+    back = tq.kv_batch_get(keys=keys, partition_id="shape")["x"]
+    back = back.to_padded_tensor(0.0) if back.is_nested else back
+    assert torch.equal(back, value)
