@@ -32,6 +32,7 @@ from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 from verl.utils.config import omega_conf_to_dataclass
 
 from amir_verl.actor_loss import AMIR_TRAINER_MODE, amir_ppo_loss
+from amir_verl.lambda_control import AdaptiveLambdaController
 from amir_verl.run_config import validate_amir_run
 from amir_verl.step_batch import (
     EXTRA_LOSS_SCALE,
@@ -52,6 +53,24 @@ def make_amir_loss_fn(config: DictConfig):
     amir = validate_amir_run(config)
     actor_config = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
     return partial(amir_ppo_loss, config=actor_config, beta_dpo=amir.beta_dpo)
+
+
+def write_amir_state(folder: str, global_steps: int, controller: AdaptiveLambdaController) -> None:
+    """Save the lambda controller into a verl ``global_step_N`` checkpoint folder."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, STATE_FILE), "w") as f:
+        json.dump({"global_steps": global_steps, "lambda_controller": controller.state_dict()}, f)
+
+
+def read_amir_state(folder: str, controller: AdaptiveLambdaController) -> bool:
+    """Restore the controller from ``folder``; False when the checkpoint has no AMIR state."""
+    path = os.path.join(folder, STATE_FILE)
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        controller.load_state_dict(json.load(f)["lambda_controller"])
+    logger.info("restored the AMIR lambda controller from %s: lambda=%s", path, controller.value)
+    return True
 
 
 @register_trainer(AMIR_TRAINER_MODE)
@@ -139,25 +158,19 @@ class AmirPPOTrainer(PPOTrainerSync):
         # Written before verl's tracker file (latest_checkpointed_iteration.txt), which super() writes
         # last, so a checkpoint that resume can find always has the controller state.
         folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, STATE_FILE), "w") as f:
-            json.dump({"global_steps": self.global_steps, "lambda_controller": self.lambda_controller.state_dict()}, f)
+        write_amir_state(folder, self.global_steps, self.lambda_controller)
         super()._save_checkpoint()
 
     def _load_checkpoint(self):
         super()._load_checkpoint()
         if self.global_steps == 0:
             return
-        path = os.path.join(self._resumed_folder(), STATE_FILE)
-        if not os.path.exists(path):
+        folder = self._resumed_folder()
+        if not read_amir_state(folder, self.lambda_controller):
             logger.warning(
-                "resumed from a checkpoint without %s (not an AMIR run?): lambda restarts at amir.lambda_init", path
+                "resumed from %s, which has no %s (not an AMIR run?): lambda restarts at amir.lambda_init",
+                folder, STATE_FILE,
             )
-            return
-        with open(path) as f:
-            state = json.load(f)
-        self.lambda_controller.load_state_dict(state["lambda_controller"])
-        logger.info("restored AMIR lambda controller from %s: lambda=%s", path, self.lambda_controller.value)
 
     def _resumed_folder(self) -> str:
         """The global_step folder PPOTrainer._load_checkpoint resumed from (it does not keep it)."""
