@@ -1,0 +1,106 @@
+"""Guards on every verl 0.9.1 function amir-verl hooks, overrides or relies on.
+
+If verl changes one of them this fails loudly, naming it: re-read the upstream function against the
+reason recorded here, adapt amir_verl, then update the fingerprint.
+"""
+
+import hashlib
+import inspect
+import re
+
+import pytest
+
+import verl
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+from verl.trainer.ppo.utils import need_reference_policy
+from verl.trainer.ppo.v1 import trainer_base
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.workers import engine_workers
+from verl.workers.utils import losses
+from verl.workers.utils.padding import no_padding_2_padding
+
+# name -> (object, sha256 prefix of its source in verl 0.9.1, why amir-verl depends on it)
+SEAMS = {
+    "PPOTrainer.__init__": (trainer_base.PPOTrainer.__init__, "6f938d77859b66ae",
+                            "assigns trainer_mode, then builds the replay buffer (AmirPPOTrainer.trainer_mode)"),
+    "PPOTrainer._compute_advantage": (trainer_base.PPOTrainer._compute_advantage, "2a4a2aa4a475b228",
+                                      "overridden: called first, its TransferQueue fields and uid layout are read"),
+    "PPOTrainer._update_actor": (trainer_base.PPOTrainer._update_actor, "d7009bd8a69d40b9",
+                                 "overridden: reports actor/pg_loss; mini-batch = ppo_mini_batch_size * rollout.n"),
+    "PPOTrainer._save_checkpoint": (trainer_base.PPOTrainer._save_checkpoint, "8c2435b577e54f19",
+                                    "overridden: folder layout global_step_N, tracker file written last"),
+    "PPOTrainer._load_checkpoint": (trainer_base.PPOTrainer._load_checkpoint, "bb446d77c48ac6cc",
+                                    "overridden: resume folder rules reproduced in AmirPPOTrainer._resumed_folder"),
+    "PPOTrainer._step_once": (trainer_base.PPOTrainer._step_once, "efdd4abe161c6dee",
+                              "order: old and ref log-probs before _compute_advantage, actor update after"),
+    "PPOTrainerSync": (PPOTrainerSync, "beb30ff5187a75b9", "base class of AmirPPOTrainer"),
+    "ppo_loss": (losses.ppo_loss, "d7c0f8772b444f55",
+                 "wrapped by amir_ppo_loss: dp_size / batch_num_tokens normalisation, metric names"),
+    "no_padding_2_padding": (no_padding_2_padding, "0868d5c4731b66ac", "response log-prob layout in the loss"),
+    "ActorRolloutRefWorker.set_loss_fn": (engine_workers.ActorRolloutRefWorker.set_loss_fn, "a655a9cfc08a64fd",
+                                          "installs amir_ppo_loss on every actor rank"),
+    "TrainingWorker.set_loss_fn": (engine_workers.TrainingWorker.set_loss_fn, "e9304c63648d4e83",
+                                   "the loss used by train_batch"),
+    "need_reference_policy": (need_reference_policy, "b8a793a391c04714", "when verl computes ref_log_prob"),
+}
+
+
+def test_verl_version_is_the_pinned_one():
+    assert verl.__version__ == "0.9.1"
+
+
+@pytest.mark.parametrize("name", list(SEAMS))
+def test_upstream_source_unchanged(name):
+    obj, fingerprint, why = SEAMS[name]
+    actual = hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
+    assert actual == fingerprint, f"verl changed {name} ({why}); re-check amir_verl against it"
+
+
+def test_trainer_mode_comparisons_are_the_ones_amir_reports_sync_for():
+    """AmirPPOTrainer reports trainer_mode "sync"; these are the places verl compares it."""
+    src = inspect.getsource(trainer_base.PPOTrainer)
+    methods = sorted(
+        name
+        for name, fn in inspect.getmembers(trainer_base.PPOTrainer, inspect.isfunction)
+        if re.search(r'trainer_mode [!=]= "sync"', inspect.getsource(fn))
+    )
+    assert len(re.findall(r'trainer_mode [!=]= "sync"', src)) == 6
+    assert methods == ["_build_replay_buffer", "_init_dataloader", "_load_checkpoint", "_reissue_inflight_prompts",
+                       "_save_checkpoint", "_submit_batch_to_rollout"]
+
+
+def test_plugin_registered_through_the_entry_point():
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+
+    from amir_verl.trainer import AmirPPOTrainer
+
+    assert {"amir_grpo", "amir_gspo"} <= set(POLICY_LOSS_REGISTRY)
+    assert TRAINER_REGISTRY["amir"] is AmirPPOTrainer
+    assert AmirPPOTrainer.__mro__[1] is PPOTrainerSync
+
+
+def test_amir_loss_mode_without_the_amir_trainer_fails_loudly():
+    import torch
+
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    with pytest.raises(RuntimeError, match=r"trainer\.v1\.trainer_mode=amir"):
+        get_policy_loss_fn("amir_grpo")(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2))
+
+
+def test_a_fresh_process_gets_the_plugin_from_verl_alone():
+    """No import of amir_verl, no env var: installing the package is enough (``verl.plugins`` entry point)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, verl\n"
+        "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY\n"
+        "from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY\n"
+        "print('amir_grpo' in POLICY_LOSS_REGISTRY, 'amir_gspo' in POLICY_LOSS_REGISTRY, 'amir' in TRAINER_REGISTRY)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VERL_USE_EXTERNAL_MODULES"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/", timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True True True"
