@@ -46,7 +46,7 @@ class AmirConfig:
     target_ratio_high: float = field(default=0.70, metadata={"doc": "lower lambda while rho is above this"})
     lambda_increase: float = field(default=1.25, metadata={"doc": "multiplier when rho < target_ratio_low"})
     lambda_decrease: float = field(default=0.8, metadata={"doc": "multiplier when rho > target_ratio_high"})
-    ratio_ema_decay: float = field(default=0.9, metadata={"doc": "EMA decay of |L_pg| and |lambda L_pref|"})
+    ratio_ema_decay: float = field(default=0.9, metadata={"doc": "EMA decay of the magnitudes of L_pg and lambda * L_pref"})
 
     def __post_init__(self) -> None:
         def fail(key: str, why: str) -> None:

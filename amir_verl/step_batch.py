@@ -11,10 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from amir_verl.config import AmirConfig
 from amir_verl.preference import (
+    PreferencePairs,
     PreferenceStats,
     check_finite,
     dpo_logits,
@@ -59,6 +61,9 @@ def session_final_mask(keys: Sequence[str]) -> torch.Tensor:
     session's final output (``compute_advantage_for_multi_trajectories``); AMIR mines pairs among the
     same outputs. Single-turn rollouts have one output per session, so every sample is final.
     """
+    keys_arr = np.asarray(keys, dtype=np.str_)
+    if keys_arr.size and bool(np.char.endswith(keys_arr, "_0").all()) and bool(np.char.count(keys_arr, "_").min() >= 2):
+        return torch.ones(len(keys), dtype=torch.bool)  # one output per session: all final (the usual case)
     last: dict[str, tuple[int, int]] = {}
     for row, key in enumerate(keys):
         parts = key.rsplit("_", 2)
@@ -120,30 +125,32 @@ def compute_step_fields(
         l_ref = length_normalised_log_probs(ref_log_probs.double(), mask)
 
     eligible = mask.any(dim=-1)
-    if is_padding is not None:
-        eligible &= ~torch.as_tensor(list(is_padding), dtype=torch.bool)
+    padding = torch.zeros(n, dtype=torch.bool) if is_padding is None else torch.as_tensor(list(is_padding), dtype=torch.bool)
+    eligible &= ~padding
     if sample_keys is not None:
         eligible &= session_final_mask(sample_keys)
 
     # Canonical order (uid, key) inside each group: tie-breaks then do not depend on how verl
-    # happened to order the batch (completion order, balancing).
-    tiebreak = list(sample_keys) if sample_keys is not None else [""] * n
-    canonical = sorted(range(n), key=lambda i: (uids[i], tiebreak[i], i))
-    perm = torch.as_tensor(canonical, dtype=torch.long)
-    group_of_uid: dict[str, int] = {}
-    group_ids = torch.as_tensor([group_of_uid.setdefault(uids[i], len(group_of_uid)) for i in canonical])
+    # happened to order the batch (completion order, balancing). numpy sorts the strings in C.
+    _, group_of_sample = np.unique(np.asarray(uids, dtype=np.str_), return_inverse=True)
+    if sample_keys is not None:
+        canonical = np.lexsort((np.asarray(sample_keys, dtype=np.str_), group_of_sample))
+    else:
+        canonical = np.argsort(group_of_sample, kind="stable")
+    perm = torch.from_numpy(canonical)
+    group_ids = torch.from_numpy(group_of_sample.astype(np.int64))
     pairs = mine_preference_pairs(
         sequence_rewards[perm],
-        group_ids,
+        group_ids[perm],
         delta_r=config.delta_r,
         mode=config.pair_mode,
         max_pairs_per_group=config.max_pairs_per_group,
         eligible=eligible[perm],
     )
-    pairs = type(pairs)(preferred=perm[pairs.preferred], rejected=perm[pairs.rejected], group=pairs.group)
+    pairs = PreferencePairs(preferred=perm[pairs.preferred], rejected=perm[pairs.rejected], group=pairs.group)
 
     logits = dpo_logits(l_old, l_ref, pairs, config.beta_dpo)
-    num_groups = len({uids[i] for i in range(n) if not (is_padding is not None and is_padding[i])})
+    num_groups = int(np.unique(group_of_sample[~padding.numpy()]).size)
     stats = summarise_preference_pairs(pairs, logits, l_old, num_groups)
     partner_score, partner_sign = partner_table(pairs, n, l_old - l_ref)
     if partner_score.shape[1] == 0:  # keep one (unused) column: a zero-width field is a needless corner case
