@@ -12,6 +12,7 @@ import torch
 
 from amir_verl.actor_loss import amir_ppo_loss
 from amir_verl.config import AmirConfig
+from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
 from tests.verl_batch import (
@@ -56,20 +57,24 @@ def make_batch(models, seed=0):
     return make_step_batch(model, ref, [6, 1, 5, 4, 4], seed=seed, num_padding=4, empty_response_at=3)
 
 
-def brute_force_gradient(model, batch, amir, loss_mode, lambda_reg):
+def whole_batch_base_loss(model, batch, loss_mode):
+    """verl's base-mode ppo_loss over the whole step batch in one piece (dp 1, one micro-batch)."""
     base_mode, agg = BASE[loss_mode]
-    model.zero_grad()
     order = list(range(len(batch)))
     td = actor_tensordict(batch, order)
     total_tokens = int(sum(batch.response_mask(i).sum() for i in order))
-    from verl.utils import tensordict_utils as tu
-
     tu.assign_non_tensor(td, dp_size=1, batch_num_tokens=total_tokens, global_batch_size=len(batch))
     log_probs = nested([token_log_probs(model, x) for x in td["input_ids"].unbind()])
     base_loss, _ = ppo_loss(actor_config(base_mode, agg), {"log_probs": log_probs}, td)
+    return base_loss
+
+
+def brute_force_gradient(model, batch, amir, loss_mode, lambda_reg):
+    model.zero_grad()
+    base_loss = whole_batch_base_loss(model, batch, loss_mode)
     j_pref = brute_force_pref_objective(model, batch.ref_log_probs, batch, amir)
     (base_loss + lambda_reg * (-j_pref)).backward()
-    return grads(model), j_pref.detach()
+    return grads(model), j_pref.detach(), float(base_loss)
 
 
 @pytest.mark.parametrize("loss_mode", ["amir_grpo", "amir_gspo"])
@@ -81,7 +86,7 @@ def test_gradient_equals_brute_force(models, loss_mode, reference, layout):
     amir = AmirConfig(reference=reference, delta_r=0.5, beta_dpo=0.5)
     fields = amir_step_fields(batch, amir)
     assert fields.num_pairs > 0
-    expected, j_pref = brute_force_gradient(model, batch, amir, loss_mode, LAMBDA)
+    expected, j_pref, base_value = brute_force_gradient(model, batch, amir, loss_mode, LAMBDA)
 
     base_mode, agg = BASE[loss_mode]
     loss_fn = partial(amir_ppo_loss, config=actor_config(loss_mode, agg), beta_dpo=amir.beta_dpo)
@@ -95,25 +100,8 @@ def test_gradient_equals_brute_force(models, loss_mode, reference, layout):
     for a, e in zip(actual, expected, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-7)
     # the shares of all micro-batches add up to the whole loss, preference term included
-    _, base_value = brute_force_loss_value(model, batch, amir, loss_mode)
     total = sum(float(loss) for loss, _ in outputs) / layout.dp
     assert total == pytest.approx(base_value + LAMBDA * -float(j_pref), rel=1e-9, abs=1e-12)
-
-
-def brute_force_loss_value(model, batch, amir, loss_mode):
-    base_mode, agg = BASE[loss_mode]
-    order = list(range(len(batch)))
-    td = actor_tensordict(batch, order)
-    from verl.utils import tensordict_utils as tu
-
-    tu.assign_non_tensor(
-        td, dp_size=1, batch_num_tokens=int(sum(batch.response_mask(i).sum() for i in order)),
-        global_batch_size=len(batch),
-    )
-    with torch.no_grad():
-        log_probs = nested([token_log_probs(model, x) for x in td["input_ids"].unbind()])
-        base_loss, _ = ppo_loss(actor_config(base_mode, agg), {"log_probs": log_probs}, td)
-    return None, float(base_loss)
 
 
 @pytest.mark.parametrize("loss_mode", ["amir_grpo", "amir_gspo"])

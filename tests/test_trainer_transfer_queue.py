@@ -113,7 +113,7 @@ def test_compute_advantage_then_actor_update_is_exact(transfer_queue, reference)
 
     # the workers' view: everything TransferQueue holds for the keys, plus extra_info
     actor_batch = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id)
-    expected, j_pref = brute_force_gradient(model, batch, trainer.amir, "amir_grpo", LAMBDA)
+    expected, j_pref, _ = brute_force_gradient(model, batch, trainer.amir, "amir_grpo", LAMBDA)
     assert metrics["amir/pref_loss"] == pytest.approx(-float(j_pref), rel=1e-6)
 
     loss_fn = partial(amir_ppo_loss, config=actor_config("amir_grpo"), beta_dpo=0.5)
