@@ -123,7 +123,8 @@ class AmirPPOTrainer(PPOTrainerSync):
             sample_keys=list(batch.keys),
             is_padding=[bool(tag.get("is_padding", False)) for tag in batch.tags],
         )
-        tq.kv_batch_put(
+        # The workers fetch exactly the fields the returned meta lists (verl's tqbridge), so keep it.
+        stored = tq.kv_batch_put(
             keys=batch.keys,
             partition_id=batch.partition_id,
             fields=TensorDict(
@@ -135,6 +136,8 @@ class AmirPPOTrainer(PPOTrainerSync):
                 batch_size=len(batch),
             ),
         )
+        stored.extra_info = {**batch.extra_info, **(stored.extra_info or {})}
+        batch = stored
         mini_batch = self.config.actor_rollout_ref.actor.ppo_mini_batch_size * self.config.actor_rollout_ref.rollout.n
         lambda_reg = self.lambda_controller.value
         batch.extra_info[EXTRA_LOSS_SCALE] = loss_scale(lambda_reg, step.num_pairs, len(batch), mini_batch)

@@ -108,11 +108,9 @@ def test_compute_advantage_then_actor_update_is_exact(transfer_queue, reference)
     assert metrics["amir/num_pairs"] > 0
     assert metrics["amir/groups_without_pairs"] >= 1  # the group of one
     assert meta.extra_info[EXTRA_LOSS_SCALE] == pytest.approx(LAMBDA / metrics["amir/num_pairs"])
-    stored = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id)
-    assert FIELD_PARTNER_SCORE in stored.keys() and "advantages" in stored.keys()
-
-    # the workers' view: everything TransferQueue holds for the keys, plus extra_info
-    actor_batch = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id)
+    # the workers' view (verl's tqbridge): the fields the returned meta lists, plus its extra_info
+    assert FIELD_PARTNER_SCORE in meta.fields and "advantages" in meta.fields
+    actor_batch = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=meta.fields)
     expected, j_pref, _ = brute_force_gradient(model, batch, trainer.amir, "amir_grpo", LAMBDA)
     assert metrics["amir/pref_loss"] == pytest.approx(-float(j_pref), rel=1e-6)
 

@@ -1,0 +1,235 @@
+"""Rollout backend ``hf``: transformers ``generate`` behind verl 0.9.1's async rollout-server interface.
+
+verl's V1 trainer generates through rollout *servers* (vllm, sglang, trtllm). This backend plugs
+into the same two registries those use:
+
+- ``verl.workers.rollout.replica.RolloutReplicaRegistry`` (``"hf"`` -> :class:`HFReplica`): the
+  TaskRunner's ``LLMServerManager`` builds one replica per rollout world and calls
+  ``init_hybrid``, whose ``launch_servers`` starts one :class:`HFRolloutServer` Ray actor.
+- ``verl.workers.rollout.base._ROLLOUT_REGISTRY`` (``("hf", "async")`` -> :class:`HFServerAdapter`):
+  each actor worker builds the adapter in ``init_model``; after every update verl's
+  ``ActorRolloutRefWorker.update_weights`` hands it the actor's full weights, which the replica's
+  leader rank sends to its server (``HFRolloutServer.update_weights``).
+
+The server answers ``generate(prompt_ids, sampling_params, request_id, ...) -> TokenOutput`` one
+request at a time, with verl's sampling keys (temperature 0 = greedy, top_k -1 = off, logprobs), the
+response length limit vLLM applies, and the sampled tokens' log-probabilities (after temperature, as
+verl's actor computes them). For debugging on CPU only: it is slow and it does not shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import Any
+
+import ray
+import torch
+
+from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.replica import RolloutReplica, TokenOutput
+
+logger = logging.getLogger(__name__)
+
+ROLLOUT_NAME = "hf"
+
+
+def server_actor_name(replica_rank: int) -> str:
+    return f"{ROLLOUT_NAME}_server_{replica_rank}"
+
+
+class HFRolloutServer:
+    """One rollout replica's model, in its own Ray actor (CPU, float32)."""
+
+    def __init__(self, config, model_config, replica_rank: int):
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(1)  # the actor workers use the cores; generation batches are tiny
+        self.config = config
+        self.replica_rank = replica_rank
+        path = getattr(model_config, "local_path", None) or model_config.path
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="sdpa",
+            trust_remote_code=bool(getattr(model_config, "trust_remote_code", False)),
+        ).eval()
+        generation = self.model.generation_config
+        self.eos_token_ids = generation.eos_token_id if isinstance(generation.eos_token_id, list) else (
+            [generation.eos_token_id] if generation.eos_token_id is not None else []
+        )
+        self.pad_token_id = generation.pad_token_id if generation.pad_token_id is not None else (
+            self.eos_token_ids[0] if self.eos_token_ids else 0
+        )
+        self.global_steps = None
+        self.seed = int(getattr(config, "seed", 0) or 0)
+        self._occurrences: dict[tuple, int] = {}
+
+    def ready(self) -> bool:
+        return True
+
+    def get_server_address(self) -> tuple[str, int]:
+        return "127.0.0.1", 0
+
+    def _max_new_tokens(self, prompt_len: int, sampling_params: dict) -> int:
+        # the limit vLLMHttpServer.generate applies when the caller sends no max_tokens
+        limit = sampling_params.get("max_tokens", sampling_params.get("max_new_tokens"))
+        if limit is None:
+            limit = min(self.config.response_length, self.config.prompt_length + self.config.response_length - prompt_len)
+        max_len = self.config.max_model_len or self.model.config.max_position_embeddings
+        return max(1, min(int(limit), max_len - prompt_len))
+
+    def _generator(self, prompt_ids: list[int]) -> torch.Generator:
+        """Seeded by (rollout seed, step, prompt, how many times this prompt was sampled this step).
+
+        verl's request ids are random, and the n requests of a group arrive in any order; this seeding
+        makes the *set* of a group's samples the same in every run with the same weights, which is
+        what reproducible debugging and the end-to-end comparisons need.
+        """
+        key = (self.global_steps, tuple(prompt_ids))
+        occurrence = self._occurrences.get(key, 0)
+        self._occurrences[key] = occurrence + 1
+        digest = hashlib.sha256(f"{self.seed}|{self.global_steps}|{prompt_ids}|{occurrence}".encode()).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+    @torch.no_grad()
+    def _sample(self, prompt_ids: list[int], sampling_params: dict) -> tuple[list[int], list[float]]:
+        temperature = float(sampling_params.get("temperature", 1.0))
+        top_p = float(sampling_params.get("top_p", 1.0))
+        top_k = int(sampling_params.get("top_k", -1))
+        generator = self._generator(prompt_ids)
+        ids = torch.tensor([prompt_ids])
+        past = None
+        tokens, log_probs = [], []
+        for _ in range(self._max_new_tokens(len(prompt_ids), sampling_params)):
+            out = self.model(input_ids=ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[0, -1].float()
+            if temperature > 0:
+                scaled = logits / temperature
+                filtered = scaled.clone()
+                if top_k > 0:
+                    kth = torch.topk(filtered, min(top_k, filtered.numel())).values[-1]
+                    filtered[filtered < kth] = -torch.inf
+                if top_p < 1.0:
+                    sorted_logits, order = torch.sort(filtered, descending=True)
+                    cumulative = torch.softmax(sorted_logits, -1).cumsum(-1)
+                    drop = cumulative - torch.softmax(sorted_logits, -1) > top_p
+                    filtered[order[drop]] = -torch.inf
+                token = int(torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator))
+                log_probs.append(float(torch.log_softmax(scaled, -1)[token]))
+            else:
+                token = int(torch.argmax(logits))
+                log_probs.append(float(torch.log_softmax(logits, -1)[token]))
+            tokens.append(token)
+            if token in self.eos_token_ids:
+                break
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+        return tokens, log_probs
+
+    async def generate(self, prompt_ids, sampling_params: dict, request_id: str, image_data=None, video_data=None,
+                       **kwargs) -> TokenOutput:
+        if image_data or video_data or kwargs.get("audio_data"):
+            raise NotImplementedError("the hf rollout backend is text-only")
+        tokens, log_probs = self._sample(list(prompt_ids), dict(sampling_params))
+        return TokenOutput(
+            token_ids=tokens,
+            log_probs=log_probs if sampling_params.get("logprobs") else None,
+            stop_reason="completed",
+            num_preempted=0,
+            extra_fields={"global_steps": self.global_steps},
+        )
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+        tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
+        if set(missing) - tied or unexpected:
+            raise RuntimeError(f"hf rollout weight sync: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
+
+    def set_global_steps(self, global_steps: int) -> None:
+        self.global_steps = global_steps
+        self._occurrences.clear()
+
+    # Memory management, profiling and partial rollout have nothing to do on the CPU.
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        return None
+
+    def sleep(self) -> None:
+        return None
+
+    def clear_kv_cache(self) -> None:
+        return None
+
+    def wait_for_requests_to_drain(self) -> None:
+        return None
+
+    def start_profile(self, **kwargs) -> None:
+        return None
+
+    def stop_profile(self) -> None:
+        return None
+
+
+class HFReplica(RolloutReplica):
+    """verl rollout replica ``hf``: one :class:`HFRolloutServer` actor per replica."""
+
+    async def launch_servers(self):
+        server = (
+            ray.remote(HFRolloutServer)
+            .options(name=server_actor_name(self.replica_rank), max_concurrency=self.max_concurrency, num_cpus=0)
+            .remote(config=self.config, model_config=self.model_config, replica_rank=self.replica_rank)
+        )
+        await server.ready.remote()
+        self.servers = [server]
+        self._server_handle = server
+        self._server_address = f"{ROLLOUT_NAME}-replica-{self.replica_rank}"  # a unique load-balancer key
+
+
+class HFServerAdapter(BaseRollout):
+    """The actor-worker side of rollout ``hf``: forwards the trained weights to the replica's server."""
+
+    def __init__(self, config, model_config, device_mesh, *args, **kwargs):
+        super().__init__(config, model_config, device_mesh)
+        world = self.config.tensor_model_parallel_size * self.config.data_parallel_size * (
+            self.config.pipeline_model_parallel_size
+        )
+        rank = int(os.environ.get("RANK", 0))
+        self.replica_rank = rank // world
+        self.is_leader = rank % world == 0
+        self._server = None
+
+    def _server_handle(self):
+        if self._server is None:
+            self._server = ray.get_actor(server_actor_name(self.replica_rank))
+        return self._server
+
+    async def resume(self, tags: list[str]):
+        return None
+
+    async def release(self):
+        return None
+
+    async def update_weights(self, weights, wire_format: str = "named_tensors", peft_config=None,
+                             global_steps: int | None = None, **kwargs: Any):
+        if wire_format != "named_tensors":
+            raise NotImplementedError(f"the hf rollout backend takes full weights, not {wire_format!r}")
+        if peft_config is not None:
+            raise NotImplementedError(
+                "the hf rollout backend needs merged weights with LoRA: set actor_rollout_ref.model.lora.merge=True"
+            )
+        # Every rank drains its generator (gathering a sharded tensor is collective); the leader ships.
+        state = {name: tensor.detach().to("cpu", torch.float32).clone() for name, tensor in weights}
+        if not self.is_leader:
+            return
+        server = self._server_handle()
+        await server.update_weights.remote(state)
+        if global_steps is not None:
+            await server.set_global_steps.remote(global_steps)
+
+
+def register() -> None:
+    """Add ``hf`` to verl's two rollout registries (idempotent)."""
+    from verl.workers.rollout import base as rollout_base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    rollout_base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = f"{__name__}.HFServerAdapter"
+    RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: HFReplica)

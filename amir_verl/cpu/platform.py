@@ -1,0 +1,182 @@
+"""A CPU platform for verl 0.9.1 (debug runs only; opt-in with ``AMIR_VERL_CPU=1``).
+
+verl 0.9.1 knows the nvidia, huawei and amd platforms and falls back to nvidia ("cuda") on a machine
+without an accelerator. This module registers a ``cpu`` platform through verl's platform plugin API
+(``PlatformRegistry.register`` / ``set_platform``) and applies two small patches, each needed only
+because the device is the CPU:
+
+1. ``verl.utils.distributed.initialize_global_process_group_ray`` builds the backend string
+   ``f"cpu:gloo,{device}:{backend}"``, which is the invalid ``"cpu:gloo,cpu:gloo"`` here: plain
+   ``"gloo"`` is used instead.
+2. ``FSDPEngine._build_fsdp_module`` gives forward-only engines (the reference policy)
+   ``CPUOffloadPolicy(pin_memory=True)``; pinning memory needs an accelerator. On the CPU there is
+   nothing to offload to, so the policy is built with ``pin_memory=False``.
+
+verl's FSDP engines are registered for the devices ``cuda`` and ``npu`` only; verl's own
+``VERL_ENGINE_DEVICE`` override selects them. Ray still schedules verl's workers on "GPU" bundles, so
+Ray is started with logical GPUs (``+ray_kwargs.ray_init.num_gpus=N``). ``tests/test_cpu_backend.py``
+pins the upstream functions patched here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from types import SimpleNamespace
+
+import psutil
+import torch
+
+PLATFORM_NAME = "cpu"
+
+
+def _zero(*_args, **_kwargs) -> int:
+    return 0
+
+
+def _nothing(*_args, **_kwargs) -> None:
+    return None
+
+
+def _mem_get_info(*_args, **_kwargs) -> tuple[int, int]:
+    memory = psutil.virtual_memory()
+    return memory.available, memory.total
+
+
+class CpuDeviceModule(SimpleNamespace):
+    """The ``torch.cuda``-like module verl calls through ``get_torch_device()``: memory statistics
+    are 0, device management is a no-op, the rest is ``torch.cpu``."""
+
+    def __init__(self):
+        super().__init__(
+            memory_allocated=_zero, max_memory_allocated=_zero, memory_reserved=_zero, max_memory_reserved=_zero,
+            mem_get_info=_mem_get_info, memory_stats=lambda *a, **k: {}, empty_cache=_nothing,
+            reset_peak_memory_stats=_nothing, ipc_collect=_nothing, set_device=_nothing, synchronize=_nothing,
+            manual_seed=lambda seed: torch.manual_seed(seed), manual_seed_all=lambda seed: torch.manual_seed(seed),
+            is_available=lambda: True, device_count=lambda: 1, current_device=lambda: 0,
+            get_device_name=lambda *a, **k: "CPU",
+        )
+
+    def __getattr__(self, name):
+        return getattr(torch.cpu, name)
+
+
+def _platform_class():
+    from verl.plugin.platform import PlatformBase
+
+    class PlatformCPU(PlatformBase):
+        """verl platform ``cpu``: torch device "cpu", gloo collectives, Ray "GPU" bundles (logical)."""
+
+        device_name = PLATFORM_NAME
+        vendor_name = PLATFORM_NAME
+        device_module = CpuDeviceModule()
+
+        def is_available(self) -> bool:
+            return True
+
+        def is_platform_available(self, use_smi_check: bool = False) -> bool:
+            return True
+
+        def current_device(self):
+            return PLATFORM_NAME
+
+        def device_count(self) -> int:
+            return 1
+
+        def set_device(self, device_index) -> None:
+            return None
+
+        def synchronize(self, device_index=None) -> None:
+            return None
+
+        def manual_seed(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings: str) -> None:
+            return None
+
+        def empty_cache(self) -> None:
+            return None
+
+        def get_device_capability(self, device_index: int = 0):
+            return None, None
+
+        def communication_backend_name(self) -> str:
+            return "gloo"
+
+        def visible_devices_envvar(self) -> str:
+            return "CUDA_VISIBLE_DEVICES"
+
+        @contextlib.contextmanager
+        def nvtx_range(self, msg: str):
+            yield
+
+        def profiler_start(self) -> None:
+            return None
+
+        def profiler_stop(self) -> None:
+            return None
+
+        def ray_resource_name(self) -> str:
+            return "GPU"  # verl's resource pools ask for accelerator bundles; Ray gets logical GPUs
+
+        def ray_noset_envvars(self) -> list[str]:
+            return ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"]
+
+        def is_ipc_supported(self) -> bool:
+            return False
+
+        def cudart(self):
+            return None
+
+    return PlatformCPU
+
+
+def _patch_process_group_backend() -> None:
+    import verl.utils.distributed as distributed
+
+    upstream = distributed.initialize_global_process_group_ray
+    if getattr(upstream, "_amir_cpu", False):
+        return
+
+    def initialize_global_process_group_ray(timeout_second=None, backend=None):
+        return upstream(timeout_second=timeout_second, backend=backend or "gloo")
+
+    initialize_global_process_group_ray._amir_cpu = True
+    distributed.initialize_global_process_group_ray = initialize_global_process_group_ray
+    import verl.workers.engine_workers as engine_workers  # binds the name at import
+
+    engine_workers.initialize_global_process_group_ray = initialize_global_process_group_ray
+
+
+def _patch_forward_only_offload_policy() -> None:
+    import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
+
+    upstream = fsdp_impl.CPUOffloadPolicy
+    if getattr(upstream, "_amir_cpu", False):
+        return
+
+    def cpu_offload_policy(pin_memory: bool = True, **kwargs):
+        return upstream(pin_memory=False, **kwargs)
+
+    cpu_offload_policy._amir_cpu = True
+    fsdp_impl.CPUOffloadPolicy = cpu_offload_policy
+
+
+def activate() -> None:
+    """Make this process run verl on the CPU. Idempotent; called by the plugin when AMIR_VERL_CPU=1."""
+    from verl.plugin.platform import PlatformRegistry
+    from verl.plugin.platform.platform_manager import get_platform, set_platform
+
+    platform_cls = PlatformRegistry.get(PLATFORM_NAME) or PlatformRegistry.register(platform=PLATFORM_NAME)(
+        _platform_class()
+    )
+    os.environ["VERL_PLATFORM"] = PLATFORM_NAME  # read by verl's platform detection; Ray workers inherit it
+    os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")  # selects verl's FSDP engine classes
+    if not isinstance(get_platform(), platform_cls):  # detection ran before this plugin was loaded
+        set_platform(platform_cls())
+    _patch_process_group_backend()
+    _patch_forward_only_offload_policy()
