@@ -104,9 +104,13 @@ class HFRolloutServer:
             out = self.model(input_ids=ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
             past = out.past_key_values
             logits = out.logits[0, -1].float()
+            # The padding token is not text: never sample it (log-probs still use the full vocabulary).
+            allowed = torch.ones_like(logits, dtype=torch.bool)
+            if self.pad_token_id not in self.eos_token_ids:
+                allowed[self.pad_token_id] = False
             if temperature > 0:
                 scaled = logits / temperature
-                filtered = scaled.clone()
+                filtered = torch.where(allowed, scaled, -torch.inf)
                 if top_k > 0:
                     kth = torch.topk(filtered, min(top_k, filtered.numel())).values[-1]
                     filtered[filtered < kth] = -torch.inf
@@ -118,7 +122,7 @@ class HFRolloutServer:
                 token = int(torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator))
                 log_probs.append(float(torch.log_softmax(scaled, -1)[token]))
             else:
-                token = int(torch.argmax(logits))
+                token = int(torch.argmax(torch.where(allowed, logits, -torch.inf)))
                 log_probs.append(float(torch.log_softmax(logits, -1)[token]))
             tokens.append(token)
             if token in self.eos_token_ids:

@@ -1,0 +1,152 @@
+"""The CPU backend: the `cpu` platform, its two patches, and the `hf` rollout server (no Ray needed)."""
+
+import hashlib
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from verl.checkpoint_engine.base import CheckpointEngineManager
+from verl.utils import distributed
+from verl.workers import engine_workers
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.llm_server import LLMServerClient, LLMServerManager
+from verl.workers.rollout.replica import RolloutReplica, TokenOutput
+
+from amir_verl.cpu.hf_rollout import HFRolloutServer
+from amir_verl.cpu.toy_task import compute_score, make_assets, make_rows
+
+# upstream function -> (sha256 prefix of its verl 0.9.1 source, what the CPU backend relies on)
+CPU_SEAMS = {
+    "initialize_global_process_group_ray": (distributed.initialize_global_process_group_ray, "761a94d1a2e058d3",
+                                            "patched: backend string cpu:gloo,<device>:<backend>"),
+    "FSDPEngine._build_fsdp_module": (FSDPEngine._build_fsdp_module, "35b7b539858443e4",
+                                      "patched: CPUOffloadPolicy(pin_memory=True) for forward-only engines"),
+    "EngineRegistry.get_engine_cls": (EngineRegistry.get_engine_cls, "b1290dce7fd3c855", "VERL_ENGINE_DEVICE selects FSDP engines"),
+    "RolloutReplica.__init__": (RolloutReplica.__init__, "2fabbc138e468d1f", "HFReplica's base"),
+    "BaseRollout": (BaseRollout, "05c01b83ca41ee6f", "HFServerAdapter's base"),
+    "LLMServerClient.generate": (LLMServerClient.generate, "45f4cf4029f0be37", "the server's generate() keyword arguments"),
+    "LLMServerManager._initialize_llm_servers": (LLMServerManager._initialize_llm_servers, "c862f5411a8828a8",
+                                        "replica construction and init_hybrid"),
+    "ActorRolloutRefWorker.update_weights": (engine_workers.ActorRolloutRefWorker.update_weights, "ea8f2ec1eb8a4481",
+                                             "calls the adapter's resume / update_weights(weights, peft_config, ...)"),
+    "CheckpointEngineManager.update_weights": (CheckpointEngineManager.update_weights, "7dc90230efef777a",
+                                               "naive backend -> worker update_weights"),
+}
+
+
+def fingerprint(obj) -> str:
+    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize("name", list(CPU_SEAMS))
+def test_upstream_source_unchanged(name):
+    obj, expected, why = CPU_SEAMS[name]
+    assert fingerprint(obj) == expected, f"verl changed {name} ({why}); re-check amir_verl/cpu"
+
+
+def run_python(code: str, cpu: bool) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("AMIR_VERL_CPU", "VERL_PLATFORM", "VERL_ENGINE_DEVICE")}
+    if cpu:
+        env["AMIR_VERL_CPU"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+PROBE = (
+    "import verl\n"
+    "from verl.utils.device import get_device_name, get_nccl_backend\n"
+    "from verl.workers.rollout.base import _ROLLOUT_REGISTRY\n"
+    "from verl.workers.rollout.replica import RolloutReplicaRegistry\n"
+    "import verl.utils.distributed as d, verl.workers.engine_workers as w\n"
+    "import verl.workers.engine.fsdp.transformer_impl as f\n"
+    "print(get_device_name(), get_nccl_backend(), ('hf', 'async') in _ROLLOUT_REGISTRY,\n"
+    "      'hf' in RolloutReplicaRegistry._registry, getattr(d.initialize_global_process_group_ray, '_amir_cpu', False),\n"
+    "      getattr(w.initialize_global_process_group_ray, '_amir_cpu', False), getattr(f.CPUOffloadPolicy, '_amir_cpu', False))\n"
+)
+
+
+def test_switch_on_gives_a_cpu_platform_and_the_hf_rollout():
+    assert run_python(PROBE, cpu=True) == "cpu gloo True True True True True"
+
+
+def test_switch_off_touches_nothing():
+    """Without AMIR_VERL_CPU, verl keeps its own platform detection, patches and registries."""
+    assert run_python(PROBE, cpu=False) == "cuda nccl False False False False False"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    assets = make_assets(tmp_path_factory.mktemp("toy"), n_train=4, n_test=2)
+    from omegaconf import OmegaConf
+
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import HFModelConfig, RolloutConfig
+
+    config = RolloutConfig(name="hf", prompt_length=32, response_length=5, seed=3)
+    model_config = omega_conf_to_dataclass(OmegaConf.create({"_target_": "verl.workers.config.HFModelConfig",
+                                                             "path": assets["model"]}), HFModelConfig)
+    srv = HFRolloutServer(config, model_config, replica_rank=0)
+    srv.set_global_steps(0)
+    return srv, assets
+
+
+def generate(srv, prompt, **params):
+    import asyncio
+
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True, **params}
+    return asyncio.run(srv.generate(prompt_ids=prompt, sampling_params=params, request_id="x"))
+
+
+def test_server_returns_verl_token_output_with_the_actor_log_probs(server):
+    srv, _ = server
+    prompt = [5, 12, 6, 13, 14]
+    out = generate(srv, prompt, temperature=0.7)
+    assert isinstance(out, TokenOutput) and 1 <= len(out.token_ids) <= 5
+    assert len(out.log_probs) == len(out.token_ids) and out.extra_fields["global_steps"] == 0
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.no_grad():
+        logits = srv.model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / 0.7
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1)
+    torch.testing.assert_close(torch.tensor(out.log_probs), expected, rtol=1e-4, atol=1e-5)
+    assert srv.pad_token_id not in out.token_ids
+    assert generate(srv, prompt, logprobs=False).log_probs is None
+
+
+def test_server_sampling_is_reproducible_per_step_and_varies_within_a_group(server):
+    srv, _ = server
+    prompt = [7, 12, 8, 13, 14]
+    srv.set_global_steps(5)
+    first = [tuple(generate(srv, prompt).token_ids) for _ in range(8)]
+    srv.set_global_steps(5)
+    again = [tuple(generate(srv, prompt).token_ids) for _ in range(8)]
+    assert first == again and len(set(first)) > 1
+    greedy = {tuple(generate(srv, prompt, temperature=0).token_ids) for _ in range(3)}
+    assert len(greedy) == 1
+
+
+def test_server_weight_sync(server):
+    srv, _ = server
+    state = {k: torch.zeros_like(v) for k, v in srv.model.state_dict().items()}
+    before = {k: v.clone() for k, v in srv.model.state_dict().items()}
+    srv.update_weights(state)
+    assert all(float(v.abs().sum()) == 0 for v in srv.model.state_dict().values())
+    srv.update_weights(before)
+    with pytest.raises(RuntimeError, match="unexpected"):
+        srv.update_weights({"not.a.weight": torch.zeros(1)})
+
+
+def test_toy_reward():
+    row = make_rows(1, "train", seed=0)[0]
+    answer = row["reward_model"]["ground_truth"]
+    assert compute_score(row["data_source"], f"{answer}x", answer) == {"score": 1.0, "acc": 1.0, "pred": answer}
+    wrong = str((int(answer) + 1) % 10)
+    assert compute_score(row["data_source"], wrong, answer)["score"] == 0.1
+    assert compute_score(row["data_source"], "abc", answer) == {"score": 0.0, "acc": 0.0, "pred": ""}
+    assert compute_score(row["data_source"], None, answer)["score"] == 0.0
