@@ -1,7 +1,5 @@
 """The CPU backend: the `cpu` platform, its two patches, and the `hf` rollout server (no Ray needed)."""
 
-import hashlib
-import inspect
 import os
 import subprocess
 import sys
@@ -20,6 +18,7 @@ from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from amir_verl.cpu.hf_rollout import HFRolloutServer
 from amir_verl.cpu.toy_task import compute_score, make_assets, make_rows
+from tests.seams import fingerprint
 
 # upstream function -> (sha256 prefix of its verl 0.9.1 source, what the CPU backend relies on)
 CPU_SEAMS = {
@@ -38,10 +37,6 @@ CPU_SEAMS = {
     "CheckpointEngineManager.update_weights": (CheckpointEngineManager.update_weights, "7dc90230efef777a",
                                                "naive backend -> worker update_weights"),
 }
-
-
-def fingerprint(obj) -> str:
-    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
 
 
 @pytest.mark.parametrize("name", list(CPU_SEAMS))

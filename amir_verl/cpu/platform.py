@@ -55,6 +55,10 @@ class CpuDeviceModule(SimpleNamespace):
             manual_seed=lambda seed: torch.manual_seed(seed), manual_seed_all=lambda seed: torch.manual_seed(seed),
             is_available=lambda: True, device_count=lambda: 1, current_device=lambda: 0,
             get_device_name=lambda *a, **k: "CPU",
+            # verl's checkpoint loader restores the "device" RNG under the key get_device_name() = "cpu",
+            # which on this platform is torch's own generator
+            get_rng_state=lambda *a, **k: torch.get_rng_state(),
+            set_rng_state=lambda state, *a, **k: torch.set_rng_state(state),
         )
 
     def __getattr__(self, name):

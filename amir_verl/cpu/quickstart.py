@@ -113,7 +113,7 @@ def run_main_ppo(overrides: list[str], log_path: Path | None = None, timeout: fl
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", type=Path, default=Path("amir_cpu_quickstart"))
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--loss-mode", default="amir_grpo", choices=["amir_grpo", "amir_gspo"])
     p.add_argument("overrides", nargs="*", help="extra hydra overrides for main_ppo (after --)")
     args = p.parse_args()
@@ -121,7 +121,7 @@ def main() -> None:
     start = time.monotonic()
     print(f"[quickstart] making the tiny model, tokenizer and toy data in {workdir}", flush=True)
     assets = make_assets(workdir)
-    overrides = cpu_overrides(assets, workdir, args.steps, save_freq=args.steps) + amir_overrides(
+    overrides = cpu_overrides(assets, workdir, args.steps, test_freq=10, save_freq=args.steps) + amir_overrides(
         args.loss_mode, reference="ref", beta_dpo=0.5, lambda_init=0.05, lambda_max=0.2
     ) + list(args.overrides)
     print(f"[quickstart] {SWITCH}=1 python -m verl.trainer.main_ppo \\\n    " + " \\\n    ".join(overrides), flush=True)
