@@ -2,7 +2,8 @@
 
 With ``AMIR_VERL_CPU=1`` it first switches the process to the CPU backend (:mod:`amir_verl.cpu`).
 It registers, in verl's own registries, the policy-loss modes ``amir_grpo`` / ``amir_gspo``
-(:mod:`amir_verl.actor_loss`) and the V1 trainer mode ``amir`` (:mod:`amir_verl.trainer`).
+(:mod:`amir_verl.actor_loss`), the reward-loop manager ``amir_calibrated`` (:mod:`amir_verl.reward.manager`)
+and the V1 trainer mode ``amir`` (:mod:`amir_verl.trainer`).
 
 verl swallows plugin import errors at DEBUG level, so a failure here would only show up later as
 "Unsupported loss mode"; ``python -m amir_verl.verl_plugin`` imports it loudly to check an install.
@@ -16,6 +17,7 @@ if os.environ.get("AMIR_VERL_CPU", "") == "1":  # debug on CPU: explicit opt-in,
     activate_cpu_backend()
 
 import amir_verl.actor_loss  # noqa: F401,E402  (registers the policy-loss modes)
+import amir_verl.reward.manager  # noqa: F401,E402  (registers reward manager "amir_calibrated")
 import amir_verl.trainer  # noqa: F401,E402  (registers trainer mode "amir")
 
 if __name__ == "__main__":

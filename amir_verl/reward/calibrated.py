@@ -1,0 +1,63 @@
+"""The calibrated math reward of spec section 4 (pure python + math-verify):
+
+    R = w_corr * r_corr + w_fmt * r_fmt + w_calib * (1 - (a - q)^2)
+
+r_corr in {0, 1} by the data source's rule, r_fmt in {0, 1} for the exact template layout, a = r_corr
+and q the stated confidence; without a parseable confidence there is no calibration credit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from amir_verl.reward.answers import DEFAULT_MATH_TIMEOUT_S, choice_letter, is_correct, rule_for
+from amir_verl.reward.template import parse_response
+
+
+@dataclass(frozen=True)
+class RewardWeights:
+    """Default weights: correctness dominates; format + calibration stay below 0.5, so amir.delta_r=0.5
+    makes a preference pair need a correctness difference (see amir_verl/config.py)."""
+
+    w_corr: float = 1.0
+    w_fmt: float = 0.1
+    w_calib: float = 0.25
+    math_timeout_s: float = DEFAULT_MATH_TIMEOUT_S
+
+    def __post_init__(self):
+        for name in ("w_corr", "w_fmt", "w_calib", "math_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"reward weight {name}={value!r} must be a number >= 0")
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, w_corr: float = 1.0,
+                  w_fmt: float = 0.1, w_calib: float = 0.25, math_timeout_s: float = DEFAULT_MATH_TIMEOUT_S,
+                  **kwargs) -> dict:
+    """verl score function (``reward.custom_reward_function``); never raises on model output.
+
+    Returns score, acc (r_corr), pred (the extracted answer, for verl's majority vote), format (r_fmt),
+    format_problem, confidence (q, or -1 when missing), brier ((a - q)^2; 1, the worst, when q is missing,
+    matching the zero calibration credit).
+    """
+    weights = RewardWeights(w_corr, w_fmt, w_calib, math_timeout_s)
+    parsed = parse_response(solution_str)
+    acc = float(is_correct(str(data_source), parsed.answer, ground_truth, weights.math_timeout_s))
+    fmt = float(parsed.format_ok)
+    if parsed.confidence is None:
+        calibration, brier, confidence = 0.0, 1.0, -1.0
+    else:
+        brier = (acc - parsed.confidence) ** 2
+        calibration, confidence = 1.0 - brier, parsed.confidence
+    pred = parsed.answer or ""
+    if rule_for(str(data_source)) == "choice":
+        pred = choice_letter(pred) or pred
+    return {
+        "score": weights.w_corr * acc + weights.w_fmt * fmt + weights.w_calib * calibration,
+        "acc": acc,
+        "pred": pred[:200],
+        "format": fmt,
+        "format_problem": parsed.problem,
+        "confidence": confidence,
+        "brier": brier,
+    }
