@@ -26,7 +26,11 @@ SOURCE_RULES = {
 DEFAULT_MATH_TIMEOUT_S = 5.0
 
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?")
-_LETTER = re.compile(r"(?<![A-Za-z])\(?([A-E])\)?(?![A-Za-z])")
+_LETTER_PATTERNS = (
+    re.compile(r"(?i)(?:option|choice|answer(?:\s+is)?)\s*[:\-]?\s*\(?([a-e])\)?(?![a-z])"),  # "Option c"
+    re.compile(r"\(([A-Ea-e])\)"),  # "(b)"
+    re.compile(r"(?<![A-Za-z])([A-E])(?![A-Za-z])"),  # "C) 42", "C."
+)
 
 
 def rule_for(data_source: str) -> str:
@@ -60,11 +64,14 @@ def numeric_equal(prediction: str, gold: str) -> bool:
 
 def choice_letter(text: str) -> str | None:
     """The option letter a response names: "C", "(C)", "C) 42", "Option C", "the answer is C."."""
-    stripped = text.strip()
+    stripped = text.strip()[:200]
     if len(stripped) == 1 and stripped.upper() in "ABCDE":
         return stripped.upper()
-    matches = _LETTER.findall(stripped[:200])
-    return matches[0] if matches else None
+    for pattern in _LETTER_PATTERNS:
+        match = pattern.search(stripped)
+        if match:
+            return match.group(1).upper()
+    return None
 
 
 def _math_verify_equal(prediction: str, gold: str) -> bool:

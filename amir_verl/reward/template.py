@@ -84,7 +84,7 @@ def parse_response(text: object) -> ParsedResponse:
     if len(text) > MAX_PARSED_CHARS:
         text = text[-MAX_PARSED_CHARS:]
     blocks = {tag: _blocks(text, tag) for tag in TAGS}
-    answer = blocks[ANSWER][-1][2].strip() if blocks[ANSWER] else None
+    answer = (blocks[ANSWER][-1][2].strip() or None) if blocks[ANSWER] else None
     confidence = parse_confidence(blocks[CONFIDENCE][-1][2]) if blocks[CONFIDENCE] else None
 
     problem = ""

@@ -1,0 +1,181 @@
+"""The calibrated reward: template parsing, answer equivalence per source, fuzzing, verl registration."""
+
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from amir_verl.reward import build_prompt, compute_score, parse_response
+from amir_verl.reward.answers import choice_letter, extract_number, is_correct
+from amir_verl.reward.template import INSTRUCTION, MAX_PARSED_CHARS
+
+
+def respond(answer, confidence="0.7", think="some reasoning"):
+    return f"<think> {think} </think>\n<answer> {answer} </answer>\n<confidence> {confidence} </confidence>"
+
+
+# ----------------------------------------------------------------------------- the template
+
+
+def test_prompt_carries_question_options_and_instruction():
+    (message,) = build_prompt("What is 2+2?", ["A) 3", "B) 4"])
+    assert message["role"] == "user"
+    assert message["content"].startswith("What is 2+2?\nOptions:\nA) 3\nB) 4")
+    assert message["content"].endswith(INSTRUCTION)
+
+
+def test_instruction_example_parses_as_a_well_formed_response():
+    example = INSTRUCTION.split("Example: ", 1)[1]
+    parsed = parse_response(example)
+    assert parsed.format_ok and parsed.answer == "5" and parsed.confidence == 0.9
+
+
+@pytest.mark.parametrize(
+    "text,answer,confidence,problem",
+    [
+        (respond("42"), "42", 0.7, ""),
+        ("  " + respond("42", "1") + "\n", "42", 1.0, ""),
+        (respond("42", "1.5"), "42", None, "confidence is not a number"),
+        (respond("42", "high"), "42", None, "confidence is not a number"),
+        (respond("42", "80%"), "42", None, "confidence is not a number"),
+        (respond(""), None, 0.7, "empty answer"),
+        (respond("42") + " thanks!", "42", 0.7, "text outside"),
+        ("<answer>1</answer><think>x</think><confidence>0.5</confidence>", "1", 0.5, "out of order"),
+        (respond("42") + respond("43"), "43", 0.7, "exactly once"),
+        ("<think><think>x</think></think><answer>1</answer><confidence>0.5</confidence>", "1", 0.5, "exactly once"),
+        ("The answer is 42.", None, None, "exactly once"),
+        ("", None, None, "exactly once"),
+    ],
+)
+def test_parse_response(text, answer, confidence, problem):
+    parsed = parse_response(text)
+    assert parsed.answer == answer and parsed.confidence == confidence
+    assert parsed.format_ok == (problem == "")
+    assert problem in parsed.problem
+
+
+# ----------------------------------------------------------------------------- equivalence per source
+
+EQUIVALENCE = [
+    # GSM8K numeric
+    ("openai/gsm8k", "1,234", "1234", True),
+    ("openai/gsm8k", "$1,234.00", "1234", True),
+    ("openai/gsm8k", "18 dollars", "18", True),
+    ("openai/gsm8k", "The total is 18.0 eggs", "18", True),
+    ("openai/gsm8k", "3/4", "0.75", True),
+    ("openai/gsm8k", "\\boxed{72}", "72", True),
+    ("openai/gsm8k", "-5", "-5", True),
+    ("openai/gsm8k", "17", "18", False),
+    ("openai/gsm8k", "1,235", "1234", False),
+    ("openai/gsm8k", "eighteen", "18", False),
+    # math-verify sources
+    ("math-ai/aime25", "\\boxed{70}", "70", True),
+    ("math-ai/aime25", "070", "70", True),
+    ("math-ai/aime25", "71", "70", False),
+    ("math-ai/amc23", "\\frac{3}{4}", "0.75", True),
+    ("math-ai/minervamath", "\\frac{1}{2}", "0.5", True),
+    ("math-ai/minervamath", "2\\sqrt{2}", "\\sqrt{8}", True),
+    ("math-ai/minervamath", "\\sqrt{3}", "\\sqrt{2}", False),
+    ("opencompass/LiveMathBench", "[1, 2)", "[1,2)", True),
+    ("opencompass/LiveMathBench", "(1, 2)", "[1,2)", False),
+    ("opencompass/LiveMathBench", "x^2 + 2x + 1", "(x+1)^2", True),
+    ("Hothan/OlympiadBench", "3", ["2", "3"], True),
+    ("Hothan/OlympiadBench", "4", ["2", "3"], False),
+    # AQUA-RAT option letters
+    ("deepmind/aqua_rat", "C", "C", True),
+    ("deepmind/aqua_rat", "(C)", "C", True),
+    ("deepmind/aqua_rat", "C) 42 meters", "C", True),
+    ("deepmind/aqua_rat", "Option c", "C", True),
+    ("deepmind/aqua_rat", "B", "C", False),
+    ("deepmind/aqua_rat", "42", "C", False),
+]
+
+
+@pytest.mark.parametrize("source,prediction,gold,equal", EQUIVALENCE)
+def test_answer_equivalence(source, prediction, gold, equal):
+    assert is_correct(source, prediction, gold) is equal
+
+
+def test_missing_answer_is_not_correct():
+    assert not is_correct("openai/gsm8k", None, "3")
+    assert not is_correct("math-ai/aime25", "   ", "3")
+    assert extract_number("no digits") is None and choice_letter("nothing here") is None
+
+
+# ----------------------------------------------------------------------------- the score
+
+
+def test_score_components():
+    correct = compute_score("openai/gsm8k", respond("18", "0.8"), "18")
+    assert correct["acc"] == 1.0 and correct["format"] == 1.0
+    assert correct["brier"] == pytest.approx(0.04) and correct["score"] == pytest.approx(1.0 + 0.1 + 0.25 * 0.96)
+    wrong = compute_score("openai/gsm8k", respond("17", "0.8"), "18")
+    assert wrong["acc"] == 0.0 and wrong["score"] == pytest.approx(0.1 + 0.25 * (1 - 0.64))
+    no_confidence = compute_score("openai/gsm8k", "<think>x</think><answer>18</answer>", "18")
+    assert no_confidence["acc"] == 1.0 and no_confidence["format"] == 0.0
+    assert no_confidence["score"] == 1.0 and no_confidence["brier"] == 1.0 and no_confidence["confidence"] == -1.0
+    weighted = compute_score("openai/gsm8k", respond("18", "1"), "18", w_corr=2.0, w_fmt=0.5, w_calib=1.0)
+    assert weighted["score"] == pytest.approx(3.5)
+    assert compute_score("deepmind/aqua_rat", respond("(b)", "0.5"), "B")["pred"] == "B"
+
+
+def test_default_margin_needs_a_correctness_difference():
+    """With the default weights, amir.delta_r=0.5 pairs correct over incorrect and nothing else."""
+    from amir_verl.config import AmirConfig
+
+    best_wrong = compute_score("openai/gsm8k", respond("1", "0"), "2")["score"]
+    worst_right = compute_score("openai/gsm8k", "<answer>2</answer>", "2")["score"]
+    delta = AmirConfig().delta_r
+    assert best_wrong < delta and worst_right - best_wrong > delta
+
+
+@pytest.mark.parametrize("bad", [{"w_corr": -1}, {"w_fmt": float("nan")}, {"w_calib": "x"}])
+def test_bad_weights_raise(bad):
+    with pytest.raises(ValueError, match="reward weight"):
+        compute_score("openai/gsm8k", respond("1"), "1", **bad)
+
+
+hostile = st.one_of(
+    st.text(max_size=300),
+    st.lists(st.sampled_from(["<think>", "</think>", "<answer>", "</answer>", "<confidence>", "</confidence>",
+                              "\\boxed{", "}", "{", "1/0", "0.5", "$", "\\frac{1}{0}", "x", " ", "\n", "9" * 50]),
+             max_size=60).map("".join),
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hostile, st.sampled_from(["openai/gsm8k", "math-ai/aime25", "deepmind/aqua_rat", "unknown/source"]))
+def test_fuzz_never_raises_and_stays_in_time(text, source):
+    start = time.monotonic()
+    result = compute_score(source, text, "3", math_timeout_s=2)
+    assert time.monotonic() - start < 6
+    assert set(result) >= {"score", "acc", "pred", "format", "confidence", "brier"}
+    assert 0 <= result["score"] <= 1.35 + 1e-9
+
+
+def test_huge_and_deeply_nested_inputs_stay_in_time():
+    for text in (
+        "<answer>" * 100_000,
+        respond("(" * 5000 + "1" + ")" * 5000),
+        "x" * 5_000_000 + respond("3"),
+        respond("\\frac{" * 300 + "1" + "}" * 300),
+        respond("9" * 5000 + "^" + "9" * 5000),
+    ):
+        start = time.monotonic()
+        result = compute_score("math-ai/minervamath", text, "3", math_timeout_s=2)
+        assert time.monotonic() - start < 8, text[:50]
+        assert result["score"] >= 0
+    assert len(("x" * (MAX_PARSED_CHARS + 10))[-MAX_PARSED_CHARS:]) == MAX_PARSED_CHARS
+
+
+def test_registered_in_verls_reward_loop_registry():
+    from omegaconf import OmegaConf
+
+    from verl.experimental.reward_loop.reward_manager.registry import get_reward_manager_cls
+
+    from amir_verl.reward.manager import AmirCalibratedRewardManager, weights_from_config
+
+    assert get_reward_manager_cls("amir_calibrated") is AmirCalibratedRewardManager
+    config = OmegaConf.create({"reward": {"reward_kwargs": {"w_corr": 2.0, "overlong_buffer_cfg": None}}})
+    assert weights_from_config(config).w_corr == 2.0 and weights_from_config(config).w_fmt == 0.1
