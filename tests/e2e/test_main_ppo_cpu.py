@@ -174,3 +174,15 @@ def test_bad_amir_config_fails_before_training_naming_the_fix(assets, tmp_path, 
     log = (tmp_path / "bad" / "main_ppo.log").read_text()
     assert re.search(message, str(failure.value) + log)
     assert "step:1" not in log and "Loading weights" not in log  # nothing trained, no model loaded
+
+
+def test_calibrated_reward_manager_runs_in_verls_reward_loop(assets, tmp_path):
+    """reward.reward_manager.name=amir_calibrated resolves in verl's reward-loop workers (plugin loaded
+    there too) and its extra fields reach validation."""
+    metrics = train(assets, tmp_path / "calibrated", 1,
+                    amir_overrides("amir_grpo", reference="ref_free")
+                    + ["reward.reward_manager.name=amir_calibrated", "+reward.reward_kwargs.w_fmt=0.2"],
+                    test_freq=1)
+    assert metrics[1]["critic/score/mean"] >= 0.0  # the toy model never writes the template: score ~0
+    keys = set(metrics[1])
+    assert any(k.endswith("/brier/mean@4") for k in keys) and any(k.endswith("/format/mean@4") for k in keys)
