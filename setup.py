@@ -16,11 +16,17 @@ setup(
         "ray[default]>=2.41.0",
         "hydra-core>=1.3",
         "datasets",
+        "math-verify>=0.7",
+        "pandas",
+        "pyarrow",
     ],
     extras_require={
         # GPU users: vllm (and the torch it pins) through verl's own extra.
         "gpu": ["verl[vllm]==0.9.1"],
         "test": ["pytest>=8", "pytest-asyncio", "hypothesis>=6"],
     },
-    entry_points={"verl.plugins": ["amir = amir_verl.verl_plugin"]},
+    entry_points={
+        "verl.plugins": ["amir = amir_verl.verl_plugin"],
+        "console_scripts": ["amir-eval = amir_verl.evaluation.cli:main"],
+    },
 )

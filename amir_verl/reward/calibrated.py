@@ -37,6 +37,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, w_co
     """verl score function (``reward.custom_reward_function``); never raises on model output.
 
     Returns score, acc (r_corr), pred (the extracted answer, for verl's majority vote), format (r_fmt),
+    data_source and problem_id (from data_prep's extra_info, so evaluation can align runs),
     format_problem, confidence (q, or -1 when missing), brier ((a - q)^2; 1, the worst, when q is missing,
     matching the zero calibration credit).
     """
@@ -52,6 +53,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, w_co
     pred = parsed.answer or ""
     if rule_for(str(data_source)) == "choice":
         pred = choice_letter(pred) or pred
+    problem_id = (extra_info or {}).get("id", (extra_info or {}).get("index")) if isinstance(extra_info, dict) else None
     return {
         "score": weights.w_corr * acc + weights.w_fmt * fmt + weights.w_calib * calibration,
         "acc": acc,
@@ -60,4 +62,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, w_co
         "format_problem": parsed.problem,
         "confidence": confidence,
         "brier": brier,
+        # strings: verl's metrics skip them, its validation dump keeps them for amir-eval
+        "data_source": str(data_source),
+        "problem_id": "" if problem_id is None else str(problem_id),
     }

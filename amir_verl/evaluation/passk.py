@@ -1,0 +1,93 @@
+"""Unbiased pass@k (Chen et al. 2021) and the paper's Table 1 form (pure python).
+
+    pass@k = mean over problems of [1 - C(n - c, k) / C(n, k)]
+
+with n samples per problem of which c are correct.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """1 - C(n - c, k) / C(n, k), as a stable product; needs 0 <= c <= n and 1 <= k <= n."""
+    if not (0 <= c <= n) or not (1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    miss = 1.0
+    for i in range(n - c + 1, n + 1):
+        miss *= 1.0 - k / i
+    return 1.0 - miss
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One graded response."""
+
+    problem_id: str
+    data_source: str
+    correct: bool
+    response: str = ""
+    confidence: float | None = None
+
+
+class EvaluationError(ValueError):
+    """Bad evaluation input, with the problem named."""
+
+
+def benchmark_pass_at_k(samples: Iterable[Sample], ks: Iterable[int]) -> dict[str, dict[int, float]]:
+    """{data_source: {k: pass@k}} over the problems of each data source."""
+    by_problem: dict[tuple[str, str], list[bool]] = defaultdict(list)
+    for sample in samples:
+        by_problem[(sample.data_source, sample.problem_id)].append(bool(sample.correct))
+    ks = sorted(set(ks))
+    result: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for (source, problem), outcomes in sorted(by_problem.items()):
+        n, c = len(outcomes), sum(outcomes)
+        for k in ks:
+            if n < k:
+                raise EvaluationError(
+                    f"problem {problem!r} of {source} has {n} sample(s), fewer than k={k}: pass@{k} is undefined "
+                    f"(sample more, or drop k={k})"
+                )
+            result[source][k].append(pass_at_k(n, c, k))
+    return {source: {k: sum(v) / len(v) for k, v in per_k.items()} for source, per_k in result.items()}
+
+
+DISPLAY_NAMES = {
+    "openai/gsm8k": "GSM8K",
+    "math-ai/aime25": "AIME 2025",
+    "Hothan/OlympiadBench": "OlympiadBench",
+    "math-ai/amc23": "AMC23",
+    "math-ai/minervamath": "Minerva",
+    "deepmind/aqua_rat": "AQUA-RAT",
+    "opencompass/LiveMathBench": "LiveMathBench",
+}
+
+
+def comparison_rows(base: dict[str, dict[int, float]], other: dict[str, dict[int, float]], ks: list[int]):
+    """Rows (benchmark, k, base %, other %, gain in points) for the benchmarks both runs have."""
+    rows = []
+    for source in [s for s in DISPLAY_NAMES if s in base and s in other] + sorted(
+        s for s in base.keys() & other.keys() if s not in DISPLAY_NAMES
+    ):
+        for k in ks:
+            b, o = 100 * base[source][k], 100 * other[source][k]
+            rows.append((DISPLAY_NAMES.get(source, source), k, b, o, o - b))
+    return rows
+
+
+def table1_markdown(rows, ks: list[int], base_name: str, other_name: str) -> str:
+    """The paper's Table 1 layout: one row per benchmark, one column per k, cells "base -> other (+gain)"."""
+    header = f"| Benchmark ({base_name} -> {other_name}) | " + " | ".join(f"pass@{k}" for k in ks) + " |"
+    lines = [header, "|---" * (len(ks) + 1) + "|"]
+    cells: dict[str, dict[int, str]] = defaultdict(dict)
+    for name, k, b, o, gain in rows:
+        cells[name][k] = f"{b:.1f} -> {o:.1f} ({gain:+.1f})"
+    for name, per_k in cells.items():
+        lines.append(f"| {name} | " + " | ".join(per_k[k] for k in ks) + " |")
+    return "\n".join(lines)
