@@ -19,6 +19,7 @@ setup(
         "math-verify>=0.7",
         "pandas",
         "pyarrow",
+        "matplotlib>=3.8",
     ],
     extras_require={
         # GPU users: vllm (and the torch it pins) through verl's own extra.

@@ -4,7 +4,14 @@
         [--k 1 2 4] [--step N] [--out table1]
 
 prints the unbiased pass@k per benchmark as "GRPO -> AMIR (+gain)" and writes ``<out>.csv`` and
-``<out>.md``. ``amir-eval passk --base NAME=PATH`` alone prints one run's pass@k.
+``<out>.md``. ``amir-eval passk --base NAME=PATH`` alone prints one run's pass@k. The analyses
+(:mod:`amir_verl.evaluation.analyses`) each write a CSV and a PNG into ``--out``:
+
+    amir-eval calibration --run AMIR=PATH --out DIR
+    amir-eval lengths     --run AMIR=PATH --out DIR [--tokenizer MODEL]
+    amir-eval coverage    --run base=PATH --run GRPO=PATH --run AMIR=PATH --out DIR
+    amir-eval margin      --run AMIR=PATH --model MODEL --out DIR [--device cuda]
+    amir-eval perplexity  --run AMIR=PATH --model MODEL --out DIR [--device cuda]
 """
 
 from __future__ import annotations
@@ -60,6 +67,86 @@ def run_passk(args) -> int:
     return 0
 
 
+def _out_dir(args) -> Path:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _written(*paths: Path) -> None:
+    print("wrote " + ", ".join(str(p) for p in paths))
+
+
+def run_calibration(args) -> int:
+    from amir_verl.evaluation import analyses
+
+    name, path = args.run
+    table, summary = analyses.calibration(load_samples(path, args.step), bins=args.bins)
+    out = _out_dir(args)
+    table.to_csv(out / "calibration.csv", index=False)
+    analyses.plot_calibration(table, summary, name, out / "calibration.png")
+    print(f"{name}: Brier {summary['brier']:.4f}  ECE {summary['ece']:.4f}  n={summary['n']}  "
+          f"without confidence: {summary['missing_confidence']}")
+    _written(out / "calibration.csv", out / "calibration.png")
+    return 0
+
+
+def run_lengths(args) -> int:
+    from amir_verl.evaluation import analyses
+
+    _, path = args.run
+    tokenizer = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    table = analyses.response_lengths(load_samples(path, args.step), tokenizer)
+    out = _out_dir(args)
+    table.to_csv(out / "lengths.csv", index=False)
+    analyses.plot_lengths(table, "tokens" if tokenizer else "words", out / "lengths.png")
+    print(table.to_string(index=False))
+    _written(out / "lengths.csv", out / "lengths.png")
+    return 0
+
+
+def run_coverage(args) -> int:
+    from amir_verl.evaluation import analyses
+
+    runs = {name: load_samples(path, args.step) for name, path in args.run}
+    if len(runs) < 2:
+        raise EvaluationError("coverage compares runs: give --run at least twice (e.g. base, GRPO, AMIR)")
+    table = analyses.coverage(runs)
+    out = _out_dir(args)
+    table.to_csv(out / "coverage.csv", index=False)
+    analyses.plot_coverage(table, list(runs), out / "coverage.png")
+    print(table.to_string(index=False))
+    _written(out / "coverage.csv", out / "coverage.png")
+    return 0
+
+
+def run_logprob_analysis(args) -> int:
+    from amir_verl.evaluation import analyses
+
+    name, path = args.run
+    samples = load_samples(path, args.step)
+    model, tokenizer = analyses.load_model(args.model, args.device, args.dtype)
+    out = _out_dir(args)
+    if args.command == "margin":
+        table, summary = analyses.preference_margin(samples, model, tokenizer, args.device)
+        table.to_csv(out / "margin.csv", index=False)
+        analyses.plot_margin(table, summary, name, out / "margin.png")
+        print(f"{name}: mean preference margin {summary['mean_margin']:.4f} over "
+              f"{summary['problems_with_both']} problems with correct and incorrect responses")
+        _written(out / "margin.csv", out / "margin.png")
+    else:
+        table = analyses.self_perplexity(samples, model, tokenizer, args.device)
+        table.to_csv(out / "perplexity.csv", index=False)
+        analyses.plot_perplexity(table, name, out / "perplexity.png")
+        print(table.groupby("stratum")["perplexity"].describe().to_string())
+        _written(out / "perplexity.csv", out / "perplexity.png")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="amir-eval", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +157,29 @@ def build_parser() -> argparse.ArgumentParser:
     passk.add_argument("--step", type=int, help="validation step of verl dump folders (default: latest)")
     passk.add_argument("--out", help="write <out>.csv and <out>.md")
     passk.set_defaults(func=run_passk)
+
+    def analysis(name: str, help: str, func, many: bool = False):
+        cmd = sub.add_parser(name, help=help)
+        if many:
+            cmd.add_argument("--run", type=_named, action="append", required=True, help="NAME=PATH, repeat")
+        else:
+            cmd.add_argument("--run", type=_named, required=True, help="NAME=PATH")
+        cmd.add_argument("--step", type=int, help="validation step of verl dump folders (default: latest)")
+        cmd.add_argument("--out", required=True, help="folder for the CSV and the PNG")
+        cmd.set_defaults(func=func)
+        return cmd
+
+    analysis("calibration", "Brier score, ECE and reliability diagram", run_calibration).add_argument(
+        "--bins", type=int, default=10)
+    analysis("lengths", "length of incorrect vs correct responses", run_lengths).add_argument(
+        "--tokenizer", help="count tokens of this tokenizer (default: words)")
+    analysis("coverage", "solvable-set coverage across runs (Table 2)", run_coverage, many=True)
+    for name, help in (("margin", "preference margin under a model"),
+                       ("perplexity", "self-perplexity by problem stratum (give the generating model)")):
+        cmd = analysis(name, help, run_logprob_analysis)
+        cmd.add_argument("--model", required=True, help="HF model path")
+        cmd.add_argument("--device", default="cpu")
+        cmd.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     return parser
 
 

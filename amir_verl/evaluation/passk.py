@@ -33,6 +33,7 @@ class Sample:
     correct: bool
     response: str = ""
     confidence: float | None = None
+    prompt: str = ""
 
 
 class EvaluationError(ValueError):

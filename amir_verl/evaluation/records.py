@@ -4,8 +4,8 @@
   ``input``, ``output``, ``score``, ``uid`` (``{prompt uid}_{session}_{index}``) and the reward's extra
   fields. amir-verl's reward adds ``acc``, ``data_source``, ``problem_id`` and ``confidence``; with
   another reward, ``acc`` must be there and the problem is identified by its prompt text.
-- plain JSONL: ``problem_id``, ``data_source``, ``response``, ``correct`` per line (``sample_id`` and
-  ``confidence`` optional).
+- plain JSONL: ``problem_id``, ``data_source``, ``response``, ``correct`` per line (``sample_id``,
+  ``confidence`` and ``prompt`` optional; the log-prob analyses need ``prompt``).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def load_samples(path: str | Path, step: int | None = None) -> list[Sample]:
             problem = str(record.get("problem_id") or hashlib.sha1(record["input"].encode()).hexdigest()[:12])
             source = str(record.get("data_source") or "unknown")
             sample = Sample(problem, source, _as_bool(record["acc"], where), record["output"],
-                            _confidence(record.get("confidence")))
+                            _confidence(record.get("confidence")), record["input"])
         else:
             missing = [f for f in PLAIN_FIELDS if f not in record]
             if missing:
@@ -71,7 +71,7 @@ def load_samples(path: str | Path, step: int | None = None) -> list[Sample]:
             ident = (record["problem_id"], record["sample_id"]) if "sample_id" in record else None
             problem, source = str(record["problem_id"]), str(record["data_source"])
             sample = Sample(problem, source, _as_bool(record["correct"], where), str(record["response"]),
-                            _confidence(record.get("confidence")))
+                            _confidence(record.get("confidence")), str(record.get("prompt", "")))
         if ident is not None:
             if ident in seen:
                 raise EvaluationError(f"{where}: duplicate sample id {ident!r} (first at line {seen[ident]})")
