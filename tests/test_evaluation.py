@@ -90,8 +90,6 @@ def test_cli_table1_on_synthetic_dumps(tmp_path, capsys):
         ([{"problem_id": "p", "data_source": "s", "response": "r", "correct": 1, "sample_id": 0}] * 2,
          r"duplicate sample id \('p', 0\) \(first at line 1\)"),
         ([{"problem_id": "p", "data_source": "s", "response": "r", "correct": "yes"}], "correctness must be"),
-        ([{"problem_id": "p", "data_source": "a", "response": "r", "correct": 1},
-          {"problem_id": "p", "data_source": "b", "response": "r", "correct": 1}], "two data sources"),
         ([{"input": "q", "output": "o", "score": 1.0}], "without 'acc'"),
     ],
 )
@@ -100,6 +98,15 @@ def test_bad_input_names_the_problem(tmp_path, capsys, lines, message):
     path.write_text("\n".join(json.dumps(line) for line in lines))
     assert main(["passk", "--base", f"X={path}", "--k", "1"]) == 2
     assert __import__("re").search(message, capsys.readouterr().err)
+
+
+def test_problem_ids_are_per_benchmark(tmp_path, capsys):
+    path = tmp_path / "s.jsonl"
+    path.write_text("\n".join(json.dumps({"problem_id": "0", "data_source": src, "response": "r", "correct": ok})
+                               for src, ok in (("openai/gsm8k", True), ("math-ai/aime25", False))))
+    assert main(["passk", "--base", f"X={path}", "--k", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| GSM8K | 100.0 |" in out and "| math-ai/aime25 | 0.0 |" not in out and "| AIME 2025 | 0.0 |" in out
 
 
 def test_console_script_is_installed(tmp_path):

@@ -4,6 +4,7 @@
   ``input``, ``output``, ``score``, ``uid`` (``{prompt uid}_{session}_{index}``) and the reward's extra
   fields. amir-verl's reward adds ``acc``, ``data_source``, ``problem_id`` and ``confidence``; with
   another reward, ``acc`` must be there and the problem is identified by its prompt text.
+A problem is identified by (data_source, problem_id): ids only need to be unique within a benchmark.
 - plain JSONL: ``problem_id``, ``data_source``, ``response``, ``correct`` per line (``sample_id``,
   ``confidence`` and ``prompt`` optional; the log-prob analyses need ``prompt``).
 """
@@ -46,7 +47,6 @@ def load_samples(path: str | Path, step: int | None = None) -> list[Sample]:
     if not path.exists():
         raise EvaluationError(f"{path} does not exist")
     samples, seen = [], {}
-    source_of: dict[str, str] = {}
     for line_no, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -76,9 +76,6 @@ def load_samples(path: str | Path, step: int | None = None) -> list[Sample]:
             if ident in seen:
                 raise EvaluationError(f"{where}: duplicate sample id {ident!r} (first at line {seen[ident]})")
             seen[ident] = line_no
-        if source_of.setdefault(sample.problem_id, sample.data_source) != sample.data_source:
-            raise EvaluationError(f"{where}: problem {sample.problem_id!r} appears under two data sources "
-                                  f"({source_of[sample.problem_id]!r} and {sample.data_source!r})")
         samples.append(sample)
     if not samples:
         raise EvaluationError(f"{path} has no samples")
