@@ -60,6 +60,10 @@ def test_coverage_table2_by_hand(tmp_path):
     assert (row["problems"], row["solvable_base"], row["solvable_GRPO"], row["solvable_AMIR"]) == (4, 1, 2, 2)
     assert (row["solvable_all"], row["solvable_none"], row["only_AMIR"], row["only_GRPO"]) == (1, 1, 1, 1)
     assert (tmp_path / "out" / "coverage.png").exists()
+    patterns = pd.read_csv(tmp_path / "out" / "coverage_patterns.csv").set_index("pattern")["problems"]
+    # solvable by some run: a (all), b (GRPO only), c (AMIR only)
+    assert (patterns["YYY"], patterns["NYN"], patterns["NNY"], patterns["NNN"]) == (1, 1, 1, 0)
+    assert patterns.sum() == 3
 
 
 def test_coverage_refuses_runs_over_different_problems():

@@ -133,6 +133,25 @@ def coverage(runs: dict[str, Sequence[Sample]]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def coverage_patterns(runs: dict[str, Sequence[Sample]]) -> pd.DataFrame:
+    """The paper's Table 2: per benchmark, the share of each solved/unsolved pattern across the runs
+    (in run order, "Y" solved, "N" not), over the problems at least one run solves."""
+    import itertools
+
+    names = list(runs)
+    solved = {name: {(s.data_source, s.problem_id) for s in samples if s.correct} for name, samples in runs.items()}
+    problems = {(s.data_source, s.problem_id) for samples in runs.values() for s in samples}
+    rows = []
+    for source in sorted({src for src, _ in problems}):
+        union = {p for p in problems if p[0] == source and any(p in solved[n] for n in names)}
+        for pattern in itertools.product((True, False), repeat=len(names)):
+            count = sum(all((p in solved[n]) == flag for n, flag in zip(names, pattern)) for p in union)
+            rows.append({"benchmark": _name(source), "pattern": "".join("Y" if f else "N" for f in pattern),
+                         "runs": "/".join(names), "problems": count,
+                         "percent_of_solvable": 100 * count / len(union) if union else math.nan})
+    return pd.DataFrame(rows)
+
+
 def plot_coverage(table: pd.DataFrame, names: list[str], path: Path) -> None:
     plt = _plt()
     frame = table.set_index("benchmark")[[f"solvable_{n}" for n in names]]

@@ -116,11 +116,15 @@ def run_coverage(args) -> int:
     if len(runs) < 2:
         raise EvaluationError("coverage compares runs: give --run at least twice (e.g. base, GRPO, AMIR)")
     table = analyses.coverage(runs)
+    patterns = analyses.coverage_patterns(runs)
     out = _out_dir(args)
     table.to_csv(out / "coverage.csv", index=False)
+    patterns.to_csv(out / "coverage_patterns.csv", index=False)
     analyses.plot_coverage(table, list(runs), out / "coverage.png")
     print(table.to_string(index=False))
-    _written(out / "coverage.csv", out / "coverage.png")
+    print(f"\nTable 2 form ({'/'.join(runs)}: Y solved, N not; % of problems any run solves)")
+    print(patterns.pivot(index="pattern", columns="benchmark", values="percent_of_solvable").round(1).to_string())
+    _written(out / "coverage.csv", out / "coverage_patterns.csv", out / "coverage.png")
     return 0
 
 
