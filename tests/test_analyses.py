@@ -104,3 +104,18 @@ def test_margin_and_perplexity_match_a_direct_forward(toy_model, tmp_path, capsy
     assert list(ppl["stratum"]) == ["mixed", "mixed", "all correct"]
     assert ppl["perplexity"].iloc[2] == pytest.approx(math.exp(-direct("q2: 1+1=?\nA: ", "2")), rel=1e-5)
     assert (tmp_path / "m" / "margin.png").exists() and (tmp_path / "p" / "perplexity.png").exists()
+
+
+def test_synthetic_example_runs_every_command(tmp_path):
+    """examples/synthetic_eval.py (the source of docs/eval_examples) keeps working."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "synthetic_eval.py"
+    out = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name in ("calibration", "lengths", "coverage", "margin", "perplexity"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 1000 and (tmp_path / f"{name}.csv").exists()
+    assert "| AIME 2025 |" in (tmp_path / "table1.md").read_text()
