@@ -16,6 +16,10 @@ if os.environ.get("AMIR_VERL_CPU", "") == "1":  # debug on CPU: explicit opt-in,
 
     activate_cpu_backend()
 
+from amir_verl.run_config import install_early_config_check  # noqa: E402
+
+install_early_config_check()  # AMIR config errors stop main_ppo on the driver, before Ray starts
+
 import amir_verl.actor_loss  # noqa: F401,E402  (registers the policy-loss modes)
 import amir_verl.reward.manager  # noqa: F401,E402  (registers reward manager "amir_calibrated")
 import amir_verl.trainer  # noqa: F401,E402  (registers trainer mode "amir")

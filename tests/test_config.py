@@ -119,3 +119,17 @@ def test_recipe_config_composes_on_verl_and_validates():
     assert config.trainer.v1.trainer_mode == "amir"
     assert config.actor_rollout_ref.actor.kl_loss_coef == 0.001  # verl's own default, inherited
     assert validate_amir_run(config).beta_dpo == 0.3
+
+
+def test_early_check_inside_verls_validate_config():
+    """The plugin wraps verl.utils.config.validate_config, which main_ppo calls before Ray starts."""
+    from amir_verl.run_config import check_amir_run
+
+    check_amir_run(compose_verl(GRPO))  # a stock run: untouched
+    with pytest.raises(ValueError, match=r"add trainer\.v1\.trainer_mode=amir"):
+        check_amir_run(compose_verl(GRPO + ["actor_rollout_ref.actor.policy_loss.loss_mode=amir_gspo",
+                                            "actor_rollout_ref.actor.use_kl_loss=True"]))
+    with pytest.raises(ValueError, match=r"trainer\.use_v1=True"):
+        check_amir_run(compose_verl(GRPO + AMIR + ["trainer.use_v1=False"]))
+    with pytest.raises(ValueError, match=r"amir\.bta"):
+        check_amir_run(compose_verl(GRPO + AMIR + ["actor_rollout_ref.actor.use_kl_loss=True", "+amir.bta=1"]))

@@ -19,6 +19,8 @@ from verl.workers.utils import losses
 from verl.workers.utils.padding import no_padding_2_padding
 
 from tests.seams import fingerprint as fingerprint_of
+import verl.trainer.main_ppo as main_ppo
+import verl.utils.config as verl_config
 
 # name -> (object, sha256 prefix of its source in verl 0.9.1, why amir-verl depends on it)
 SEAMS = {
@@ -43,6 +45,9 @@ SEAMS = {
     "TrainingWorker.set_loss_fn": (engine_workers.TrainingWorker.set_loss_fn, "e9304c63648d4e83",
                                    "the loss used by train_batch"),
     "need_reference_policy": (need_reference_policy, "b8a793a391c04714", "when verl computes ref_log_prob"),
+    "validate_config": (getattr(verl_config.validate_config, "__wrapped__", verl_config.validate_config), "ab4096deecfec745",
+                        "wrapped: main_ppo's driver-side check, which AMIR extends"),
+    "main_ppo.main": (main_ppo.main, "eb706c4f6622ed04", "calls validate_config before run_ppo (ray.init)"),
 }
 
 
@@ -95,7 +100,8 @@ def test_a_fresh_process_gets_the_plugin_from_verl_alone():
     import sys
 
     code = (
-        "import sys, verl\n"
+        "import sys, verl, verl.trainer.main_ppo as m\n"
+        "assert getattr(m.validate_config, '_amir_checked', False), 'main_ppo did not bind the checked validate_config'\n"
         "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY\n"
         "from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY\n"
         "print('amir_grpo' in POLICY_LOSS_REGISTRY, 'amir_gspo' in POLICY_LOSS_REGISTRY, 'amir' in TRAINER_REGISTRY)\n"

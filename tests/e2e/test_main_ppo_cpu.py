@@ -165,8 +165,10 @@ def test_two_ranks_and_micro_batches_report_the_brute_force_preference_loss(asse
           "+amir.bta_dpo=0.1", "actor_rollout_ref.actor.use_kl_loss=True"], r"amir\.bta_dpo"),
         (["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "trainer.v1.trainer_mode=amir"],
          r"actor_rollout_ref\.actor\.use_kl_loss=True"),
+        (["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "actor_rollout_ref.actor.use_kl_loss=True"],
+         r"add trainer\.v1\.trainer_mode=amir"),
     ],
-    ids=["unknown-key", "missing-reference"],
+    ids=["unknown-key", "missing-reference", "missing-trainer-mode"],
 )
 def test_bad_amir_config_fails_before_training_naming_the_fix(assets, tmp_path, extra, message):
     with pytest.raises(RuntimeError) as failure:
@@ -174,6 +176,7 @@ def test_bad_amir_config_fails_before_training_naming_the_fix(assets, tmp_path, 
     log = (tmp_path / "bad" / "main_ppo.log").read_text()
     assert re.search(message, str(failure.value) + log)
     assert "step:1" not in log and "Loading weights" not in log  # nothing trained, no model loaded
+    assert "ray init kwargs" not in log  # stopped on the driver, before Ray started
 
 
 def test_calibrated_reward_manager_runs_in_verls_reward_loop(assets, tmp_path):
