@@ -1,7 +1,7 @@
 """Driver side of the verl glue: the V1 trainer mode ``amir``.
 
 ``trainer.v1.trainer_mode=amir`` selects :class:`AmirPPOTrainer`, verl's synchronous trainer
-(``PPOTrainerSync``) with four small additions, each calling the upstream method first:
+(``PPOTrainerSync``) with these small additions, each calling the upstream method first:
 
 - ``__init__``: validates the AMIR config before any worker or model starts.
 - ``on_init_end``: installs :func:`amir_verl.actor_loss.amir_ppo_loss` on the actor workers
