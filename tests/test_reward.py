@@ -149,7 +149,8 @@ hostile = st.one_of(
 def test_fuzz_never_raises_and_stays_in_time(text, source):
     start = time.monotonic()
     result = compute_score(source, text, "3", math_timeout_s=2)
-    assert time.monotonic() - start < 6
+    # the limit, plus a helper restart (about 1 s) when the previous call hit the limit, plus CI slack
+    assert time.monotonic() - start < 10
     assert set(result) >= {"score", "acc", "pred", "format", "confidence", "brier"}
     assert 0 <= result["score"] <= 1.35 + 1e-9
 
@@ -164,7 +165,7 @@ def test_huge_and_deeply_nested_inputs_stay_in_time():
     ):
         start = time.monotonic()
         result = compute_score("math-ai/minervamath", text, "3", math_timeout_s=2)
-        assert time.monotonic() - start < 8, text[:50]
+        assert time.monotonic() - start < 10, text[:50]
         assert result["score"] >= 0
     assert len(("x" * (MAX_PARSED_CHARS + 10))[-MAX_PARSED_CHARS:]) == MAX_PARSED_CHARS
 
