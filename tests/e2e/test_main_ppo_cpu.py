@@ -120,14 +120,19 @@ def test_resume_restores_lambda_and_continues_identically(assets, tmp_path):
 
 
 def test_two_ranks_and_micro_batches_report_the_brute_force_preference_loss(assets, tmp_path):
-    """2 data-parallel ranks, micro-batches of 4 over groups of 8: groups split everywhere. verl's
+    """2 data-parallel ranks, packed sequences (remove padding) and dynamic micro-batches of at most 64
+    tokens (about 3 samples) over groups of 8, the recipes' layout: groups split everywhere. verl's
     logged amir/pref_loss at step 1 equals J_pref recomputed from the dumped rollouts by definition."""
     dump = tmp_path / "rollouts"
     beta, delta = 0.5, 0.5
     metrics = train(
         assets, tmp_path / "dp2", 1,
         amir_overrides("amir_grpo", reference="ref_free", beta_dpo=beta, delta_r=delta)
-        + [f"trainer.rollout_data_dir={dump}"],
+        + [f"trainer.rollout_data_dir={dump}", "actor_rollout_ref.model.use_remove_padding=True",
+           "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
+           "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+           "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=64",
+           "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=64"],
         n_gpus=2, micro_batch=4,
     )
     assert metrics[1]["amir/num_pairs"] > 0
