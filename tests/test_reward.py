@@ -180,3 +180,27 @@ def test_registered_in_verls_reward_loop_registry():
     assert get_reward_manager_cls("amir_calibrated") is AmirCalibratedRewardManager
     config = OmegaConf.create({"reward": {"reward_kwargs": {"w_corr": 2.0, "overlong_buffer_cfg": None}}})
     assert weights_from_config(config).w_corr == 2.0 and weights_from_config(config).w_fmt == 0.1
+
+
+def test_bounded_calls_from_threads_do_not_disturb_each_other():
+    """A call that runs out of time kills only its own work: concurrent calls still get their results."""
+    import operator
+    import threading
+
+    from amir_verl.reward.bounded import run_bounded
+
+    results = {}
+
+    def call(name, fn, args):
+        start = time.monotonic()
+        results[name] = (run_bounded(fn, args, 1.0, "timed out"), time.monotonic() - start)
+
+    threads = [threading.Thread(target=call, args=("slow", time.sleep, (5,)))]
+    threads += [threading.Thread(target=call, args=(f"add{i}", operator.add, (i, 1))) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results["slow"][0] == "timed out"
+    assert all(results[f"add{i}"][0] == i + 1 for i in range(6))
+    assert run_bounded(operator.add, (2, 2), 1.0, None) == 4  # the helper was replaced
