@@ -58,7 +58,7 @@ def cpu_overrides(assets: dict[str, str], workdir: Path, steps: int, n_gpus: int
         "actor_rollout_ref.actor.kl_loss_coef=0.0",
         "actor_rollout_ref.actor.entropy_coeff=0",
         f"actor_rollout_ref.actor.data_loader_seed={seed}",
-        f"actor_rollout_ref.rollout.name=hf",
+        "actor_rollout_ref.rollout.name=hf",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         f"actor_rollout_ref.rollout.n={group_size}",
         f"actor_rollout_ref.rollout.seed={seed}",
