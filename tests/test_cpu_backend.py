@@ -1,5 +1,6 @@
-"""The CPU backend: the `cpu` platform, its two patches, and the `hf` rollout server (no Ray needed)."""
+"""The CPU backend: the `cpu` platform, its three patches, and the `hf` rollout server (no Ray needed)."""
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -8,6 +9,8 @@ import pytest
 import torch
 
 from verl.checkpoint_engine.base import CheckpointEngineManager
+from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.utils import distributed
 from verl.workers import engine_workers
 from verl.workers.engine.base import EngineRegistry
@@ -17,6 +20,7 @@ from verl.workers.rollout.llm_server import LLMServerClient, LLMServerManager
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from amir_verl.cpu.hf_rollout import HFRolloutServer
+from amir_verl.cpu.platform import REPLAY_BUFFER_POLL_INTERVAL_S
 from amir_verl.cpu.toy_task import compute_score, make_assets, make_rows
 from tests.seams import fingerprint
 
@@ -26,6 +30,11 @@ CPU_SEAMS = {
                                             "patched: backend string cpu:gloo,<device>:<backend>"),
     "FSDPEngine._build_fsdp_module": (FSDPEngine._build_fsdp_module, "35b7b539858443e4",
                                       "patched: CPUOffloadPolicy(pin_memory=True) for forward-only engines"),
+    "ReplayBuffer.__init__": (ReplayBuffer.__init__, "0c37a48629991988", "patched: poll_interval=2.0 by default"),
+    "ReplayBuffer._wait_for_next_poll": (ReplayBuffer._wait_for_next_poll, "10088bf03da69383",
+                                         "sleeps poll_interval between TransferQueue polls"),
+    "PPOTrainer._build_replay_buffer": (PPOTrainer._build_replay_buffer, "c6c5bd0783311ea3",
+                                        "builds the replay buffer without a poll_interval"),
     "EngineRegistry.get_engine_cls": (EngineRegistry.get_engine_cls, "b1290dce7fd3c855", "VERL_ENGINE_DEVICE selects FSDP engines"),
     "RolloutReplica.__init__": (RolloutReplica.__init__, "2fabbc138e468d1f", "HFReplica's base"),
     "BaseRollout": (BaseRollout, "05c01b83ca41ee6f", "HFServerAdapter's base"),
@@ -61,19 +70,26 @@ PROBE = (
     "from verl.workers.rollout.replica import RolloutReplicaRegistry\n"
     "import verl.utils.distributed as d, verl.workers.engine_workers as w\n"
     "import verl.workers.engine.fsdp.transformer_impl as f\n"
+    "import time\n"
+    "from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer\n"
+    "buffer = ReplayBuffer(trainer_mode='sync', trainer_config={}, max_off_policy_threshold=1,\n"
+    "                      max_off_policy_strategy='wait', sampler_kwargs={})\n"
+    "start = time.monotonic(); buffer._wait_for_next_poll('train', time.time())\n"
+    "poll = 'fast-poll' if time.monotonic() - start < 0.5 else 'slow-poll'\n"
     "print(get_device_name(), get_nccl_backend(), ('hf', 'async') in _ROLLOUT_REGISTRY,\n"
     "      'hf' in RolloutReplicaRegistry._registry, getattr(d.initialize_global_process_group_ray, '_amir_cpu', False),\n"
-    "      getattr(w.initialize_global_process_group_ray, '_amir_cpu', False), getattr(f.CPUOffloadPolicy, '_amir_cpu', False))\n"
+    "      getattr(w.initialize_global_process_group_ray, '_amir_cpu', False), getattr(f.CPUOffloadPolicy, '_amir_cpu', False),\n"
+    "      buffer.poll_interval, poll)\n"
 )
 
 
 def test_switch_on_gives_a_cpu_platform_and_the_hf_rollout():
-    assert run_python(PROBE, cpu=True) == "cpu gloo True True True True True"
+    assert run_python(PROBE, cpu=True) == f"cpu gloo True True True True True {REPLAY_BUFFER_POLL_INTERVAL_S} fast-poll"
 
 
 def test_switch_off_touches_nothing():
     """Without AMIR_VERL_CPU, verl keeps its own platform detection, patches and registries."""
-    assert run_python(PROBE, cpu=False) == "cuda nccl False False False False False"
+    assert run_python(PROBE, cpu=False) == "cuda nccl False False False False False 2.0 slow-poll"
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +142,58 @@ def test_server_sampling_is_reproducible_per_step_and_varies_within_a_group(serv
     assert len(greedy) == 1
 
 
+REQUESTS = [  # prompts of different lengths, a repeated prompt, and every kind of sampling in one batch
+    ([5, 12, 6, 13, 14], {"temperature": 1.0}),
+    ([7, 8, 9], {"temperature": 0.7, "top_k": 5}),
+    ([5, 12, 6, 13, 14], {"temperature": 1.0}),
+    ([5, 12, 6, 13, 14, 20, 21, 22, 23, 24, 25], {"temperature": 1.0, "top_p": 0.8}),
+    ([3], {"temperature": 0}),
+    ([9, 9, 9, 9], {"temperature": 1.0, "max_tokens": 2}),
+] * 3
+
+
+def test_batched_sampling_gives_each_request_what_it_gets_alone(server):
+    """One padded decode of all requests = each request decoded alone with its own generator: same tokens,
+    log-probs equal up to float32 summation order."""
+    srv, _ = server
+    srv.set_global_steps(7)
+    alone = [srv.sample_batch([(p, s, srv._generator(p))])[0] for p, s in REQUESTS]
+    srv.set_global_steps(7)
+    together = srv.sample_batch([(p, s, srv._generator(p)) for p, s in REQUESTS])
+    assert [t for t, _ in together] == [t for t, _ in alone]
+    assert len({tuple(t) for t, _ in alone[:3:2]}) == 2  # the repeated prompt's samples differ
+    assert [len(t) for t, _ in alone][5] <= 2  # its own length limit
+    for (_, lp_alone), (_, lp_together) in zip(alone, together):
+        torch.testing.assert_close(torch.tensor(lp_together), torch.tensor(lp_alone), rtol=1e-5, atol=1e-5)
+
+
+def test_concurrent_requests_are_batched_and_answer_as_one_at_a_time(server, monkeypatch):
+    srv, _ = server
+    params = {"top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+    srv.set_global_steps(8)
+    one_at_a_time = [generate(srv, p, **s) for p, s in REQUESTS]
+    batch_sizes = []
+    sample_batch = srv.sample_batch
+    monkeypatch.setattr(srv, "sample_batch", lambda requests: batch_sizes.append(len(requests)) or sample_batch(requests))
+
+    async def concurrently():
+        return await asyncio.gather(*[srv.generate(p, {**params, **s}, f"r{i}") for i, (p, s) in enumerate(REQUESTS)])
+
+    srv.set_global_steps(8)
+    outputs = asyncio.run(concurrently())
+    assert batch_sizes == [len(REQUESTS)]  # requests sent together: one decode
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in one_at_a_time]
+    torch.testing.assert_close(torch.tensor([x for o in outputs for x in o.log_probs]),
+                               torch.tensor([x for o in one_at_a_time for x in o.log_probs]), rtol=1e-5, atol=1e-5)
+
+
+def test_a_failing_batch_fails_its_requests_instead_of_hanging(server, monkeypatch):
+    srv, _ = server
+    monkeypatch.setattr(srv, "sample_batch", lambda requests: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        generate(srv, [5, 6])
+
+
 def test_server_weight_sync(server):
     srv, _ = server
     state = {k: torch.zeros_like(v) for k, v in srv.model.state_dict().items()}
@@ -139,8 +207,8 @@ def test_server_weight_sync(server):
 
 def test_toy_reward():
     row = make_rows(1, "train", seed=0)[0]
-    answer = row["reward_model"]["ground_truth"]
-    assert compute_score(row["data_source"], f"{answer}x", answer) == {"score": 1.0, "acc": 1.0, "pred": answer}
+    (answer,) = row["reward_model"]["ground_truth"]  # the list of accepted golds, as verl passes it
+    assert compute_score(row["data_source"], f"{answer}x", [answer]) == {"score": 1.0, "acc": 1.0, "pred": answer}
     wrong = str((int(answer) + 1) % 10)
     assert compute_score(row["data_source"], wrong, answer)["score"] == 0.1
     assert compute_score(row["data_source"], "abc", answer) == {"score": 0.0, "acc": 0.0, "pred": ""}

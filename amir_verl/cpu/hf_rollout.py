@@ -11,14 +11,16 @@ into the same two registries those use:
   ``ActorRolloutRefWorker.update_weights`` hands it the actor's full weights, which the replica's
   leader rank sends to its server (``HFRolloutServer.update_weights``).
 
-The server answers ``generate(prompt_ids, sampling_params, request_id, ...) -> TokenOutput`` one
-request at a time, with verl's sampling keys (temperature 0 = greedy, top_k -1 = off, logprobs), the
+The server answers ``generate(prompt_ids, sampling_params, request_id, ...) -> TokenOutput`` in
+batches of the requests that are waiting (one padded decode per batch, :meth:`HFRolloutServer.sample_batch`),
+with verl's sampling keys (temperature 0 = greedy, top_k -1 = off, logprobs), the
 response length limit vLLM applies, and the sampled tokens' log-probabilities (after temperature, as
 verl's actor computes them). For debugging on CPU only: it is slow and it does not shard.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
@@ -33,6 +35,8 @@ from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 logger = logging.getLogger(__name__)
 
 ROLLOUT_NAME = "hf"
+BATCH_WINDOW_S = 0.01  # how long the server waits for a batch to fill before its first forward pass
+MAX_BATCH = 256  # requests per batched decode
 
 
 def server_actor_name(replica_rank: int) -> str:
@@ -63,6 +67,8 @@ class HFRolloutServer:
         self.global_steps = None
         self.seed = int(getattr(config, "seed", 0) or 0)
         self._occurrences: dict[tuple, int] = {}
+        self._pending: list[tuple[tuple[list[int], dict, torch.Generator], asyncio.Future]] = []
+        self._server_task: asyncio.Task | None = None
 
     def ready(self) -> bool:
         return True
@@ -91,50 +97,102 @@ class HFRolloutServer:
         digest = hashlib.sha256(f"{self.seed}|{self.global_steps}|{prompt_ids}|{occurrence}".encode()).digest()
         return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
-    @torch.no_grad()
-    def _sample(self, prompt_ids: list[int], sampling_params: dict) -> tuple[list[int], list[float]]:
+    @staticmethod
+    def _pick(logits: torch.Tensor, allowed: torch.Tensor, sampling_params: dict,
+              generator: torch.Generator) -> tuple[int, float]:
+        """The next token of one sequence from its logits ``[vocab]`` and its log-probability (after
+        temperature, as verl's actor computes it; the full vocabulary, pad included)."""
         temperature = float(sampling_params.get("temperature", 1.0))
+        if temperature <= 0:
+            token = int(torch.argmax(torch.where(allowed, logits, -torch.inf)))
+            return token, float(torch.log_softmax(logits, -1)[token])
         top_p = float(sampling_params.get("top_p", 1.0))
         top_k = int(sampling_params.get("top_k", -1))
-        generator = self._generator(prompt_ids)
-        ids = torch.tensor([prompt_ids])
+        scaled = logits / temperature
+        filtered = torch.where(allowed, scaled, -torch.inf)
+        if top_k > 0:
+            kth = torch.topk(filtered, min(top_k, filtered.numel())).values[-1]
+            filtered[filtered < kth] = -torch.inf
+        if top_p < 1.0:
+            sorted_logits, order = torch.sort(filtered, descending=True)
+            probs = torch.softmax(sorted_logits, -1)
+            drop = probs.cumsum(-1) - probs > top_p
+            filtered[order[drop]] = -torch.inf
+        token = int(torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator))
+        return token, float(torch.log_softmax(scaled, -1)[token])
+
+    @torch.no_grad()
+    def sample_batch(self, requests: list[tuple[list[int], dict, torch.Generator]]) -> list[tuple[list[int], list[float]]]:
+        """Sample every request of ``requests`` (prompt ids, sampling params, its own generator) in one
+        batched decode: prompts left-padded to ``[batch, longest]`` with an attention mask and position ids
+        counted from each prompt's first token, one forward pass per new token with the KV cache. Each row
+        draws from its own generator and finishes at <eos> or its own length limit, so its tokens are those
+        it would get alone (log-probs equal up to float32 summation order).
+
+        Returns, per request, (response token ids, their log-probabilities)."""
+        n = len(requests)
+        width = max(len(prompt) for prompt, _, _ in requests)
+        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((n, width), dtype=torch.long)
+        for row, (prompt, _, _) in enumerate(requests):
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt):] = 1
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        limits = [self._max_new_tokens(len(prompt), params) for prompt, params, _ in requests]
+        # The padding token is not text: never sample it (log-probs still use the full vocabulary).
+        allowed = torch.ones(self.model.config.vocab_size, dtype=torch.bool)
+        if self.pad_token_id not in self.eos_token_ids:
+            allowed[self.pad_token_id] = False
+        responses: list[tuple[list[int], list[float]]] = [([], []) for _ in requests]
+        active = [True] * n
         past = None
-        tokens, log_probs = [], []
-        for _ in range(self._max_new_tokens(len(prompt_ids), sampling_params)):
-            out = self.model(input_ids=ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
+        for _ in range(max(limits)):
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past, use_cache=True)
             past = out.past_key_values
-            logits = out.logits[0, -1].float()
-            # The padding token is not text: never sample it (log-probs still use the full vocabulary).
-            allowed = torch.ones_like(logits, dtype=torch.bool)
-            if self.pad_token_id not in self.eos_token_ids:
-                allowed[self.pad_token_id] = False
-            if temperature > 0:
-                scaled = logits / temperature
-                filtered = torch.where(allowed, scaled, -torch.inf)
-                if top_k > 0:
-                    kth = torch.topk(filtered, min(top_k, filtered.numel())).values[-1]
-                    filtered[filtered < kth] = -torch.inf
-                if top_p < 1.0:
-                    sorted_logits, order = torch.sort(filtered, descending=True)
-                    cumulative = torch.softmax(sorted_logits, -1).cumsum(-1)
-                    drop = cumulative - torch.softmax(sorted_logits, -1) > top_p
-                    filtered[order[drop]] = -torch.inf
-                token = int(torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator))
-                log_probs.append(float(torch.log_softmax(scaled, -1)[token]))
-            else:
-                token = int(torch.argmax(torch.where(allowed, logits, -torch.inf)))
-                log_probs.append(float(torch.log_softmax(logits, -1)[token]))
-            tokens.append(token)
-            if token in self.eos_token_ids:
+            logits = out.logits[:, -1].float()
+            next_tokens = [self.pad_token_id] * n  # finished rows are fed padding; no other row attends to them
+            for row, (_, params, generator) in enumerate(requests):
+                if not active[row]:
+                    continue
+                token, log_prob = self._pick(logits[row], allowed, params, generator)
+                responses[row][0].append(token)
+                responses[row][1].append(log_prob)
+                next_tokens[row] = token
+                active[row] = token not in self.eos_token_ids and len(responses[row][0]) < limits[row]
+            if not any(active):
                 break
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-        return tokens, log_probs
+            input_ids = torch.tensor(next_tokens)[:, None]
+            attention_mask = torch.cat([attention_mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
+            position_ids = position_ids[:, -1:] + 1
+        return responses
+
+    async def _serve_pending(self) -> None:
+        """Answer the queued requests in batches; requests that arrive while a batch runs form the next."""
+        await asyncio.sleep(BATCH_WINDOW_S)  # the requests verl sends together arrive within milliseconds
+        while self._pending:
+            batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
+            try:
+                results = self.sample_batch([request for request, _ in batch])
+            except Exception as error:  # every waiting request gets the error, not a hang
+                for _, future in batch:
+                    future.set_exception(error)
+            else:
+                for (_, future), result in zip(batch, results):
+                    future.set_result(result)
+            await asyncio.sleep(0)  # let the answered requests return and new ones queue
 
     async def generate(self, prompt_ids, sampling_params: dict, request_id: str, image_data=None, video_data=None,
                        **kwargs) -> TokenOutput:
         if image_data or video_data or kwargs.get("audio_data"):
             raise NotImplementedError("the hf rollout backend is text-only")
-        tokens, log_probs = self._sample(list(prompt_ids), dict(sampling_params))
+        prompt_ids = list(prompt_ids)
+        future = asyncio.get_running_loop().create_future()
+        # the generator is drawn at arrival, so a request's seed does not depend on the batch it joins
+        self._pending.append(((prompt_ids, dict(sampling_params), self._generator(prompt_ids)), future))
+        if self._server_task is None or self._server_task.done():
+            self._server_task = asyncio.ensure_future(self._serve_pending())
+        tokens, log_probs = await future
         return TokenOutput(
             token_ids=tokens,
             log_probs=log_probs if sampling_params.get("logprobs") else None,

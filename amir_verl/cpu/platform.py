@@ -2,8 +2,8 @@
 
 verl 0.9.1 knows the nvidia, huawei and amd platforms and falls back to nvidia ("cuda") on a machine
 without an accelerator. This module registers a ``cpu`` platform through verl's platform plugin API
-(``PlatformRegistry.register`` / ``set_platform``) and applies two small patches, each needed only
-because the device is the CPU:
+(``PlatformRegistry.register`` / ``set_platform``) and applies three small patches, the first two
+needed because the device is the CPU, the third because a CPU run's steps are short:
 
 1. ``verl.utils.distributed.initialize_global_process_group_ray`` builds the backend string
    ``f"cpu:gloo,{device}:{backend}"``, which is the invalid ``"cpu:gloo,cpu:gloo"`` here: plain
@@ -11,6 +11,10 @@ because the device is the CPU:
 2. ``FSDPEngine._build_fsdp_module`` gives forward-only engines (the reference policy)
    ``CPUOffloadPolicy(pin_memory=True)``; pinning memory needs an accelerator. On the CPU there is
    nothing to offload to, so the policy is built with ``pin_memory=False``.
+3. ``verl.trainer.ppo.v1.replay_buffer.ReplayBuffer`` polls TransferQueue for finished rollout groups
+   every ``poll_interval`` seconds, 2.0 by default, and verl's trainer does not pass one: on a toy run
+   that sleep is most of a step. The default becomes :data:`REPLAY_BUFFER_POLL_INTERVAL_S`; an explicit
+   ``poll_interval`` (a custom sampler's) is kept.
 
 verl's FSDP engines are registered for the devices ``cuda`` and ``npu`` only; verl's own
 ``VERL_ENGINE_DEVICE`` override selects them. Ray still schedules verl's workers on "GPU" bundles, so
@@ -21,6 +25,7 @@ pins the upstream functions patched here.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from types import SimpleNamespace
 
@@ -28,6 +33,7 @@ import psutil
 import torch
 
 PLATFORM_NAME = "cpu"
+REPLAY_BUFFER_POLL_INTERVAL_S = 0.05
 
 
 def _zero(*_args, **_kwargs) -> int:
@@ -170,6 +176,21 @@ def _patch_forward_only_offload_policy() -> None:
     fsdp_impl.CPUOffloadPolicy = cpu_offload_policy
 
 
+def _patch_replay_buffer_poll_interval() -> None:
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+    upstream = ReplayBuffer.__init__
+    if getattr(upstream, "_amir_cpu", False):
+        return
+
+    @functools.wraps(upstream)
+    def __init__(self, *args, poll_interval: float = REPLAY_BUFFER_POLL_INTERVAL_S, **kwargs):
+        upstream(self, *args, poll_interval=poll_interval, **kwargs)
+
+    __init__._amir_cpu = True
+    ReplayBuffer.__init__ = __init__  # ReplayBufferAsync and custom samplers inherit it
+
+
 def activate() -> None:
     """Make this process run verl on the CPU. Idempotent; called by the plugin when AMIR_VERL_CPU=1."""
     from verl.plugin.platform import PlatformRegistry
@@ -184,3 +205,4 @@ def activate() -> None:
         set_platform(platform_cls())
     _patch_process_group_backend()
     _patch_forward_only_offload_policy()
+    _patch_replay_buffer_poll_interval()

@@ -1,23 +1,36 @@
-"""AMIR-GRPO with verl's real ``main_ppo`` on a laptop CPU, in one command:
+"""GRPO against AMIR-GRPO with verl's real ``main_ppo`` on a laptop CPU, in one command:
 
-    python -m amir_verl.cpu.quickstart [--workdir DIR] [--steps N] [-- extra hydra overrides]
+    python -m amir_verl.cpu.quickstart [--workdir DIR] [--steps N] [--runs grpo,amir_grpo] [-- hydra overrides]
 
-It makes a tiny model, tokenizer and toy data (:mod:`amir_verl.cpu.toy_task`), then runs
-``python -m verl.trainer.main_ppo`` with ``AMIR_VERL_CPU=1`` and the overrides of
-:func:`cpu_overrides`: the stock GRPO config plus the AMIR override set, FSDP2 in float32 on the
-CPU, the ``hf`` rollout, validation, a checkpoint, verl's console logger.
+It makes a tiny model, tokenizer and toy data (:mod:`amir_verl.cpu.toy_task`), then trains each run
+with ``python -m verl.trainer.main_ppo`` on the CPU backend (``AMIR_VERL_CPU=1``, the overrides of
+:func:`cpu_overrides`), one after the other, from the same model with the same seeds and data order:
+
+- ``grpo``: verl's GRPO, run through the AMIR trainer with lambda fixed at 0, so that the preference
+  margin of its rollouts is measured too (the term is computed and weighted 0; the end-to-end test
+  ``test_grpo_and_amir_grpo_with_lambda_zero_match_step_by_step`` checks this equals stock GRPO);
+- ``amir_grpo``: AMIR-GRPO with the adaptive lambda.
+
+The console gets one line per step; verl's full output goes to ``<workdir>/<run>/main_ppo.log`` and its
+metrics to ``<workdir>/<run>/metrics.jsonl``. At the end it prints a summary table (also in
+``<workdir>/summary.md``) and writes the comparison plot ``<workdir>/quickstart.png``. Extra arguments
+after ``--`` go to every run's main_ppo.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import subprocess
+import shutil
 import sys
 import time
 from pathlib import Path
 
-from amir_verl.cpu import SWITCH
+import psutil
+
+from amir_verl.cpu.launch import MainPPOFailed, parse_metrics_line, run_main_ppo
+from amir_verl.cpu.report import plot_runs, progress_line, summary_table
 from amir_verl.cpu.toy_task import make_assets
 
 FP32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
@@ -35,7 +48,9 @@ def amir_overrides(loss_mode: str = "amir_grpo", **amir: object) -> list[str]:
 def cpu_overrides(assets: dict[str, str], workdir: Path, steps: int, n_gpus: int = 1, group_size: int = 8,
                   prompts_per_step: int = 8, micro_batch: int = 16, test_freq: int = 2, save_freq: int = -1,
                   seed: int = 0) -> list[str]:
-    """verl overrides for a GRPO run of the toy task on the CPU backend (no AMIR keys)."""
+    """verl overrides for a GRPO run of the toy task on the CPU backend (no AMIR keys).
+
+    ``workdir`` gets the run's checkpoints (``workdir/checkpoints``, every ``save_freq`` steps)."""
     return [
         "algorithm.adv_estimator=grpo",
         "algorithm.use_kl_in_reward=False",
@@ -46,6 +61,9 @@ def cpu_overrides(assets: dict[str, str], workdir: Path, steps: int, n_gpus: int
         "data.max_response_length=4",
         "data.shuffle=True",
         f"data.seed={seed}",
+        # the rows are read in the trainer's process: worker processes only cost start-up time, and Ray's
+        # shutdown of the TaskRunner used to kill them mid-iteration ("DataLoader worker ... is killed")
+        "data.dataloader_num_workers=0",
         f"actor_rollout_ref.model.path={assets['model']}",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         "actor_rollout_ref.model.use_remove_padding=False",
@@ -75,7 +93,7 @@ def cpu_overrides(assets: dict[str, str], workdir: Path, steps: int, n_gpus: int
         "trainer.nnodes=1",
         "trainer.logger=[console]",
         "trainer.project_name=amir_cpu",
-        "trainer.experiment_name=quickstart",
+        f"trainer.experiment_name={workdir.name}",
         f"trainer.total_training_steps={steps}",
         f"trainer.test_freq={test_freq}",
         f"trainer.save_freq={save_freq}",
@@ -84,50 +102,163 @@ def cpu_overrides(assets: dict[str, str], workdir: Path, steps: int, n_gpus: int
         "+ray_kwargs.ray_init.num_cpus=16",  # logical: verl's workers, TransferQueue and reward actors
         f"+ray_kwargs.ray_init.num_gpus={n_gpus}",  # logical GPUs: verl's resource pools ask for them
         "+ray_kwargs.ray_init.include_dashboard=False",
+        # one TransferQueue storage actor instead of 8: each is a Python process that takes seconds to start
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
     ]
 
 
-def run_main_ppo(overrides: list[str], log_path: Path | None = None, timeout: float | None = None) -> str:
-    """Run ``python -m verl.trainer.main_ppo`` on the CPU backend, echoing its output; returns the output."""
-    env = dict(os.environ, **{SWITCH: "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"})
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
-    lines = []
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        start = time.monotonic()
-        for line in proc.stdout:
-            lines.append(line)
-            if log_path is None:
-                print(line, end="", flush=True)
-            if timeout is not None and time.monotonic() - start > timeout:
-                proc.kill()
-                raise TimeoutError(f"main_ppo ran over {timeout} s")
-        proc.wait()
-    output = "".join(lines)
-    if log_path is not None:
-        log_path.write_text(output)
-    if proc.returncode != 0:
-        raise RuntimeError(f"main_ppo exited with {proc.returncode}:\n{output[-6000:]}")
-    return output
+
+# name -> (label, AMIR overrides); both start from the same model, seeds and data order
+RUNS = {
+    "grpo": ("GRPO", amir_overrides(beta_dpo=0.5, lambda_rule="fixed", lambda_init=0.0)),
+    "amir_grpo": ("AMIR-GRPO", amir_overrides(beta_dpo=0.5)),  # the default lambda rule
+}
+MARKER = ".amir_quickstart"  # in a workdir the quickstart made; holds the pid of the quickstart using it
+RUN_TIMEOUT_S = 1200
 
 
-def main() -> None:
+class QuickstartError(Exception):
+    """Bad use; the message is the one line the user sees."""
+
+
+def prepare_workdir(workdir: Path, runs: list[str]) -> None:
+    """Make ``workdir`` (or reuse one the quickstart made, clearing the runs about to be redone) and claim it.
+
+    Refuses, with a :class:`QuickstartError`, a path that is a file, a folder with other content, a folder
+    another running quickstart uses, and a folder it cannot write to."""
+    marker = workdir / MARKER
+    if workdir.exists() and not workdir.is_dir():
+        raise QuickstartError(f"--workdir {workdir} is a file; give a folder")
+    if workdir.is_dir() and any(workdir.iterdir()) and not marker.exists():
+        raise QuickstartError(f"--workdir {workdir} already holds other files; give a new or empty folder "
+                              "(the quickstart reuses only folders it made)")
+    try:
+        owner = int(marker.read_text() or 0) if marker.exists() else 0
+    except (ValueError, OSError):
+        owner = 0
+    if owner and owner != os.getpid() and psutil.pid_exists(owner) and any(
+        "amir_verl.cpu.quickstart" in part for part in _cmdline(owner)
+    ):
+        raise QuickstartError(f"another quickstart (pid {owner}) is running in {workdir}; "
+                              "wait for it or give another --workdir")
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        marker.write_text(str(os.getpid()))
+        for run in runs:  # an old run's checkpoints would make verl resume it instead of training
+            shutil.rmtree(workdir / run, ignore_errors=True)
+            (workdir / run).mkdir()
+    except PermissionError:
+        raise QuickstartError(f"cannot write in --workdir {workdir} (permission denied); "
+                              "give a folder you can write to") from None
+    except OSError as error:
+        raise QuickstartError(f"cannot use --workdir {workdir}: {error.strerror or error}") from None
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return []
+
+
+class RunProgress:
+    """Reads a run's main_ppo output line by line: metrics to ``metrics.jsonl``, one console line per step."""
+
+    def __init__(self, run: str, run_dir: Path, total_steps: int):
+        self.run, self.total_steps = run, total_steps
+        self.steps: dict[int, dict[str, float]] = {}
+        self._jsonl = open(run_dir / "metrics.jsonl", "w", buffering=1)
+
+    def __call__(self, line: str) -> None:
+        parsed = parse_metrics_line(line)
+        if parsed is None:
+            return
+        step, metrics = parsed
+        self.steps.setdefault(step, {}).update(metrics)
+        self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        print(progress_line(self.run, step, self.total_steps, metrics), flush=True)
+
+    def close(self) -> None:
+        self._jsonl.close()
+
+
+def write_report(workdir: Path, results: dict[str, dict[int, dict[str, float]]], title: str) -> tuple[str, Path]:
+    table = summary_table(results)
+    (workdir / "summary.md").write_text(table + "\n")
+    return table, plot_runs(results, workdir / "quickstart.png", title)
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workdir", type=Path, default=Path("amir_cpu_quickstart"))
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--loss-mode", default="amir_grpo", choices=["amir_grpo", "amir_gspo"])
+    p.add_argument("--workdir", type=Path, default=Path("amir_cpu_quickstart"),
+                   help="a new or empty folder, or one an earlier quickstart made (its runs are redone)")
+    p.add_argument("--steps", type=int, default=40, help="training steps of each run")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, from: {', '.join(RUNS)}")
+    p.add_argument("--seed", type=int, default=0, help="data order, rollout sampling and actor mini-batches")
+    p.add_argument("--timeout", type=float, default=RUN_TIMEOUT_S, help="seconds allowed per run")
     p.add_argument("overrides", nargs="*", help="extra hydra overrides for main_ppo (after --)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    unknown = [r for r in runs if r not in RUNS]
+    if unknown or not runs:
+        p.error(f"--runs: unknown {unknown or 'empty'}; choose from {', '.join(RUNS)}")
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
     workdir = args.workdir.resolve()
+    try:
+        prepare_workdir(workdir, runs)
+    except QuickstartError as error:
+        print(f"[quickstart] error: {error}", file=sys.stderr)
+        return 2
+    if os.environ.get("RAY_ADDRESS"):
+        print(f"[quickstart] note: ignoring RAY_ADDRESS={os.environ['RAY_ADDRESS']}: each run starts its own Ray")
+
     start = time.monotonic()
-    print(f"[quickstart] making the tiny model, tokenizer and toy data in {workdir}", flush=True)
-    assets = make_assets(workdir)
-    overrides = cpu_overrides(assets, workdir, args.steps, test_freq=10, save_freq=args.steps) + amir_overrides(
-        args.loss_mode, reference="ref", beta_dpo=0.5, lambda_init=0.05, lambda_max=0.2
-    ) + list(args.overrides)
-    print(f"[quickstart] {SWITCH}=1 python -m verl.trainer.main_ppo \\\n    " + " \\\n    ".join(overrides), flush=True)
-    run_main_ppo(overrides)
-    print(f"[quickstart] done in {time.monotonic() - start:.0f} s; checkpoint in {workdir / 'checkpoints'}")
+    results: dict[str, dict[int, dict[str, float]]] = {}
+    title = f"toy task, {args.steps} steps, seed {args.seed}"
+    current = None
+    try:
+        print(f"[quickstart] tiny model, tokenizer and toy data in {workdir}", flush=True)
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # "Writing model shards" would be the only bar on the console
+        assets = make_assets(workdir)
+        for run in runs:
+            label, amir = RUNS[run]
+            run_dir = workdir / run
+            overrides = cpu_overrides(assets, run_dir, args.steps, test_freq=10, seed=args.seed) + amir + list(
+                args.overrides)
+            (run_dir / "command.txt").write_text(
+                "AMIR_VERL_CPU=1 python -m verl.trainer.main_ppo \\\n    " + " \\\n    ".join(overrides) + "\n")
+            print(f"[{run}] {label}: starting main_ppo (Ray, workers, model); verl's output: {run_dir / 'main_ppo.log'}",
+                  flush=True)
+            current = RunProgress(run, run_dir, args.steps)
+            results[label] = current.steps
+            run_start = time.monotonic()
+            try:
+                run_main_ppo(overrides, log_path=run_dir / "main_ppo.log", timeout=args.timeout, on_line=current)
+            finally:
+                current.close()
+            print(f"[{run}] done in {time.monotonic() - run_start:.0f} s", flush=True)
+    except KeyboardInterrupt:
+        step = max(current.steps, default=0) if current else 0
+        print(f"\n[quickstart] interrupted during {current.run if current else 'set-up'} at step {step}: "
+              f"partial results in {workdir} (<run>/main_ppo.log, <run>/metrics.jsonl)", file=sys.stderr)
+        return 130
+    except MainPPOFailed as failure:
+        print(f"[quickstart] {current.run} failed: {failure.reason}; full log: {failure.log_path}", file=sys.stderr)
+        return 1
+    except TimeoutError as error:
+        print(f"[quickstart] {current.run}: {error}; partial log: {workdir / current.run / 'main_ppo.log'}",
+              file=sys.stderr)
+        return 1
+
+    table, png = write_report(workdir, results, title)
+    print(f"\n{table}\n")
+    print(f"[quickstart] {len(runs)} run(s) in {time.monotonic() - start:.0f} s; plot: {png}; "
+          f"table: {workdir / 'summary.md'}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,35 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from amir_verl.cpu.quickstart import amir_overrides, cpu_overrides, run_main_ppo
+from amir_verl.cpu.launch import parse_step_metrics, run_main_ppo
+from amir_verl.cpu.quickstart import amir_overrides, cpu_overrides
 from amir_verl.cpu.toy_task import make_assets
 
 pytestmark = pytest.mark.e2e
-
-VALUE = re.compile(r"^np\.\w+\((.*)\)$")
-
-
-def parse_step_metrics(output: str) -> dict[int, dict[str, float]]:
-    """verl's console logger lines ``step:N - key:value - ...`` -> {N: {key: value}} (numbers only)."""
-    steps: dict[int, dict[str, float]] = {}
-    for line in output.splitlines():
-        at = line.find("step:")
-        if at < 0 or " - " not in line[at:]:
-            continue
-        fields = line[at:].strip().split(" - ")
-        try:
-            step = int(fields[0].split(":", 1)[1])
-        except ValueError:
-            continue
-        metrics = steps.setdefault(step, {})
-        for field in fields[1:]:
-            key, _, raw = field.rpartition(":")
-            match = VALUE.match(raw)
-            try:
-                metrics[key] = float(match.group(1) if match else raw)
-            except ValueError:
-                pass
-    return steps
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +43,7 @@ GSPO_FLAGS = [
     "actor_rollout_ref.actor.clip_ratio_high=4e-4",
     "actor_rollout_ref.actor.use_kl_loss=True",
 ]
-LAMBDA_ZERO = {"lambda_init": 0.0, "lambda_adaptive": False}
+LAMBDA_ZERO = {"lambda_init": 0.0, "lambda_rule": "fixed"}
 BASE_METRICS = ["actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl",
                 "critic/score/mean", "critic/advantages/mean", "response_length/mean"]
 

@@ -1,0 +1,128 @@
+"""The quickstart's report: per-step console lines, the summary table and the comparison plot.
+
+Everything here is a function of verl's logged metrics, ``{step: {key: value}}`` per run, as
+:func:`amir_verl.cpu.launch.parse_step_metrics` reads them (step 0 holds the validation before training).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REWARD = "critic/score/mean"
+MARGIN = "amir/margin"
+PAIR_ACCURACY = "amir/pair_accuracy"
+LAMBDA = "amir/lambda"
+PREF_SHARE = "amir/grad_share"  # the default lambda rule's signal: the preference term's share of the gradient
+STEP_TIME = "timing_s/step"
+SUMMARY_WINDOW = 5  # the table's reward at start / end: mean over the first / last this many steps
+
+
+def validation_accuracy(metrics: dict[str, float]) -> float | None:
+    """verl's validation accuracy of a step (``val-core/<data source>/acc/mean@<n>``), None if not validated."""
+    keys = sorted(k for k in metrics if k.startswith("val-core/") and "/acc/mean@" in k)
+    return metrics[keys[0]] if keys else None
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def progress_line(run: str, step: int, total_steps: int, metrics: dict[str, float]) -> str:
+    """One console line for one step of one run."""
+    if step == 0:
+        return f"[{run}] step  0/{total_steps}  validation before training: acc {_fmt(validation_accuracy(metrics))}"
+    parts = [f"[{run}] step {step:2d}/{total_steps}", f"reward {_fmt(metrics.get(REWARD))}"]
+    if validation_accuracy(metrics) is not None:
+        parts.append(f"val acc {_fmt(validation_accuracy(metrics))}")
+    parts += [f"margin {_fmt(metrics.get(MARGIN), '+.3f')}", f"pairs {_fmt(metrics.get('amir/num_pairs'), '.0f')}",
+              f"lambda {_fmt(metrics.get(LAMBDA))}", f"{_fmt(metrics.get(STEP_TIME), '.1f')} s"]
+    return "  ".join(parts)
+
+
+def _series(steps: dict[int, dict[str, float]], value) -> tuple[list[int], list[float]]:
+    points = [(s, value(m)) for s, m in sorted(steps.items())]
+    points = [(s, v) for s, v in points if v is not None]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def summary_rows(runs: dict[str, dict[int, dict[str, float]]]) -> list[dict[str, float | None | str]]:
+    """One row per run: reward over the first / last ``SUMMARY_WINDOW`` steps, validation accuracy at the
+    first / last validation, and the last step's margin, pair accuracy, lambda and preference share."""
+    rows = []
+    for name, steps in runs.items():
+        _, rewards = _series({s: m for s, m in steps.items() if s > 0}, lambda m: m.get(REWARD))
+        _, accuracies = _series(steps, validation_accuracy)
+        last = steps[max(steps)] if steps else {}
+        rows.append({
+            "run": name,
+            "steps": max((s for s in steps if s > 0), default=0),
+            "reward_start": _mean(rewards[:SUMMARY_WINDOW]),
+            "reward_end": _mean(rewards[-SUMMARY_WINDOW:]),
+            "val_acc_start": accuracies[0] if accuracies else None,
+            "val_acc_end": accuracies[-1] if accuracies else None,
+            "margin": last.get(MARGIN),
+            "pair_accuracy": last.get(PAIR_ACCURACY),
+            "lambda": last.get(LAMBDA),
+            "pref_share": last.get(PREF_SHARE),
+        })
+    return rows
+
+
+def summary_table(runs: dict[str, dict[int, dict[str, float]]]) -> str:
+    """The summary rows as a Markdown table (readable on the console too)."""
+    header = (f"| run | steps | reward, first {SUMMARY_WINDOW} -> last {SUMMARY_WINDOW} steps | val acc, first -> last "
+              "| margin (last step) | pair acc | lambda | pref share |")
+    lines = [header, "|---|---|---|---|---|---|---|---|"]
+    for row in summary_rows(runs):
+        lines.append(
+            f"| {row['run']} | {row['steps']} | {_fmt(row['reward_start'])} -> {_fmt(row['reward_end'])} "
+            f"| {_fmt(row['val_acc_start'])} -> {_fmt(row['val_acc_end'])} | {_fmt(row['margin'], '+.3f')} "
+            f"| {_fmt(row['pair_accuracy'], '.2f')} | {_fmt(row['lambda'])} | {_fmt(row['pref_share'], '.2f')} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_runs(runs: dict[str, dict[int, dict[str, float]]], out_path: Path, title: str) -> Path:
+    """A 2 x 2 figure, runs on shared axes: training reward, validation accuracy, preference margin
+    (mean length-normalised log-prob of the preferred minus the rejected response of each pair), and lambda
+    with the preference term's share of the gradient (runs with lambda > 0). Written as PNG to ``out_path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    (reward_ax, val_ax), (margin_ax, lambda_ax) = axes
+    share_ax = lambda_ax.twinx()
+    for (name, steps), color in zip(runs.items(), ["tab:blue", "tab:red", "tab:green", "tab:purple"]):
+        train_steps = {s: m for s, m in steps.items() if s > 0}
+        reward_ax.plot(*_series(train_steps, lambda m: m.get(REWARD)), color=color, label=name)
+        val_ax.plot(*_series(steps, validation_accuracy), "o-", color=color, label=name)
+        margin_ax.plot(*_series(train_steps, lambda m: m.get(MARGIN)), color=color, label=name)
+        if any(m.get(LAMBDA) for m in train_steps.values()):  # runs with a preference term
+            lambda_ax.plot(*_series(train_steps, lambda m: m.get(LAMBDA)), color=color, label=f"{name}: lambda")
+            share_ax.plot(*_series(train_steps, lambda m: m.get(PREF_SHARE)), "--", color=color,
+                          label=f"{name}: preference share")
+    margin_ax.axhline(0.0, color="grey", lw=0.8)
+    reward_ax.set(title="training reward (mean score of the step's rollouts)", ylabel="score")
+    val_ax.set(title="validation accuracy (mean@4 samples)", ylabel="accuracy")
+    margin_ax.set(title="preference margin: correct minus incorrect responses", ylabel="mean log-prob per token",
+                  xlabel="step")
+    lambda_ax.set(title="lambda and preference share of the gradient", ylabel="lambda", xlabel="step")
+    share_ax.set_ylabel("preference share")
+    for ax in (reward_ax, val_ax, margin_ax):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    handles = lambda_ax.get_legend_handles_labels()[0] + share_ax.get_legend_handles_labels()[0]
+    if handles:
+        lambda_ax.legend(handles, [h.get_label() for h in handles], fontsize=8)
+    lambda_ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return out_path

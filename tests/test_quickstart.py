@@ -1,0 +1,181 @@
+"""The quickstart's launcher, report and bad-use answers, without main_ppo (see tests/e2e for the real runs)."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from amir_verl.cpu.launch import (
+    MainPPOFailed,
+    failure_reason,
+    main_ppo_env,
+    parse_metrics_line,
+    parse_step_metrics,
+    run_logged,
+)
+from amir_verl.cpu.quickstart import MARKER, QuickstartError, main, prepare_workdir
+from amir_verl.cpu.report import plot_runs, progress_line, summary_rows, summary_table, validation_accuracy
+
+PY = sys.executable
+
+
+# ---- launcher ---------------------------------------------------------------------------------------------
+
+def test_timeout_fires_while_the_child_prints_nothing_and_stops_its_whole_group():
+    """The child starts a grandchild and both stay silent: the timeout still fires, and neither survives."""
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            "print(p.pid, flush=True); time.sleep(120)")
+    seen = []
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="ran over 2 s"):
+        run_logged([PY, "-c", code], timeout=2, on_line=seen.append)
+    assert time.monotonic() - start < 15
+    grandchild = int(seen[0])
+    for _ in range(50):
+        if not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the grandchild outlived the timeout")
+
+
+def test_run_logged_tees_every_line_and_returns_the_exit_status(tmp_path):
+    seen = []
+    code = "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"
+    returncode, output = run_logged([PY, "-c", code], log_path=tmp_path / "log", on_line=seen.append)
+    assert returncode == 3
+    assert sorted(output.splitlines()) == sorted(line.strip() for line in seen) == ["err", "out"]
+    assert (tmp_path / "log").read_text() == output
+
+
+def test_main_ppo_env_switches_the_backend_on_and_ignores_a_foreign_ray(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    env = main_ppo_env()
+    assert env["AMIR_VERL_CPU"] == "1" and "RAY_ADDRESS" not in env
+
+
+@pytest.mark.parametrize("output,expected", [
+    ("...\nOSError: [Errno 98] Address already in use\n", "port"),
+    ("ConnectionError: Could not find any running Ray instance. Please specify", "RAY_ADDRESS"),
+    ("Traceback (most recent call last):\n  File x\nValueError: first\n(TaskRunnerV1 pid=12) KeyError: 'last one'\n",
+     "KeyError: 'last one'"),
+    ("no error line at all\n", "see the log"),
+])
+def test_failure_reason_is_one_line_naming_the_cause(output, expected):
+    reason = failure_reason(output)
+    assert expected in reason and "\n" not in reason
+
+
+def test_main_ppo_failed_carries_the_reason_and_log(tmp_path):
+    error = MainPPOFailed(1, "ValueError: x", "tail of the output", tmp_path / "log")
+    assert error.reason == "ValueError: x" and "full log: " in str(error) and "tail of the output" in str(error)
+
+
+def test_parse_metrics_reads_verls_console_lines():
+    line = "(TaskRunnerV1 pid=1) step:3 - critic/score/mean:np.float64(0.25) - amir/lambda:0.5 - tag:abc"
+    assert parse_metrics_line(line) == (3, {"critic/score/mean": 0.25, "amir/lambda": 0.5})
+    assert parse_metrics_line("step:x - a:1") is None and parse_metrics_line("nothing here") is None
+    output = "step:0 - val-core/t/acc/mean@4:0.1\n" + line + "\nstep:3 - timing_s/step:1.5\n"
+    assert parse_step_metrics(output) == {0: {"val-core/t/acc/mean@4": 0.1},
+                                          3: {"critic/score/mean": 0.25, "amir/lambda": 0.5, "timing_s/step": 1.5}}
+
+
+# ---- report ----------------------------------------------------------------------------------------------
+
+def fake_run(rewards, accuracies, margin_last, lam):
+    """Metrics of a run whose step s has reward rewards[s-1]; validations at the steps of ``accuracies``."""
+    steps = {0: {"val-core/toy/acc/mean@4": accuracies[0]}}
+    for step, reward in enumerate(rewards, 1):
+        steps[step] = {"critic/score/mean": reward, "amir/margin": 0.0, "amir/pair_accuracy": 0.5,
+                       "amir/lambda": lam, "amir/grad_share": 0.2, "timing_s/step": 1.0}
+    steps[len(rewards)]["amir/margin"] = margin_last
+    steps[len(rewards)]["val-core/toy/acc/mean@4"] = accuracies[1]
+    return steps
+
+
+def test_summary_rows_average_the_first_and_last_steps_and_take_the_last_step():
+    rewards = [0.1 * i for i in range(12)]  # steps 1..12: 0.0 .. 1.1
+    row = summary_rows({"GRPO": fake_run(rewards, [0.1, 0.4], 0.25, 0.0)})[0]
+    assert row["steps"] == 12
+    assert row["reward_start"] == pytest.approx(sum(rewards[:5]) / 5)  # 0.2
+    assert row["reward_end"] == pytest.approx(sum(rewards[-5:]) / 5)  # 0.9
+    assert (row["val_acc_start"], row["val_acc_end"], row["margin"], row["lambda"]) == (0.1, 0.4, 0.25, 0.0)
+    table = summary_table({"GRPO": fake_run(rewards, [0.1, 0.4], 0.25, 0.0)})
+    assert "| GRPO | 12 | 0.200 -> 0.900 | 0.100 -> 0.400 | +0.250 | 0.50 | 0.000 | 0.20 |" in table
+    assert summary_rows({"empty": {}})[0]["reward_start"] is None  # a run interrupted before its first step
+
+
+def test_progress_line_is_one_line_with_the_step_numbers():
+    metrics = fake_run([0.5, 0.75], [0.1, 0.3], -0.125, 0.5)
+    assert validation_accuracy(metrics[1]) is None and validation_accuracy(metrics[2]) == 0.3
+    line = progress_line("amir_grpo", 2, 40, metrics[2])
+    assert line == ("[amir_grpo] step  2/40  reward 0.750  val acc 0.300  margin -0.125  pairs -  lambda 0.500  1.0 s")
+    assert "before training: acc 0.100" in progress_line("grpo", 0, 40, metrics[0])
+
+
+def test_plot_writes_a_png(tmp_path):
+    runs = {"GRPO": fake_run([0.1, 0.2, 0.3], [0.1, 0.2], 0.1, 0.0),
+            "AMIR-GRPO": fake_run([0.1, 0.3, 0.4], [0.1, 0.3], 0.2, 0.5)}
+    path = plot_runs(runs, tmp_path / "q.png", "test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+# ---- bad use ---------------------------------------------------------------------------------------------
+
+def test_workdir_with_other_content_is_refused_and_left_alone(tmp_path):
+    (tmp_path / "thesis.tex").write_text("mine")
+    with pytest.raises(QuickstartError, match="already holds other files"):
+        prepare_workdir(tmp_path, ["grpo"])
+    assert [p.name for p in tmp_path.iterdir()] == ["thesis.tex"]
+    with pytest.raises(QuickstartError, match="is a file"):
+        prepare_workdir(tmp_path / "thesis.tex", ["grpo"])
+
+
+def test_workdir_made_by_the_quickstart_is_reused_with_its_runs_cleared(tmp_path):
+    prepare_workdir(tmp_path / "q", ["grpo", "amir_grpo"])
+    (tmp_path / "q" / "grpo" / "checkpoints").mkdir()
+    (tmp_path / "q" / "amir_grpo" / "metrics.jsonl").write_text("{}")
+    prepare_workdir(tmp_path / "q", ["grpo"])
+    assert not any((tmp_path / "q" / "grpo").iterdir())  # redone: nothing verl could resume from
+    assert (tmp_path / "q" / "amir_grpo" / "metrics.jsonl").exists()  # not redone: kept
+    assert (tmp_path / "q" / MARKER).read_text() == str(os.getpid())
+
+
+def test_workdir_of_a_running_quickstart_is_refused(tmp_path):
+    prepare_workdir(tmp_path, ["grpo"])
+    # a live process whose command line names the quickstart module stands for the other quickstart
+    other = subprocess.Popen([PY, "-c", "import time; time.sleep(60)", "amir_verl.cpu.quickstart"])
+    try:
+        (tmp_path / MARKER).write_text(str(other.pid))
+        with pytest.raises(QuickstartError, match=f"another quickstart \\(pid {other.pid}\\) is running"):
+            prepare_workdir(tmp_path, ["grpo"])
+    finally:
+        other.kill()
+        other.wait()
+    prepare_workdir(tmp_path, ["grpo"])  # it ended: the folder is free again
+
+
+def test_workdir_without_write_permission_is_refused(tmp_path):
+    if os.geteuid() == 0:  # root writes anywhere a mode allows nothing; sysfs refuses even root
+        target = Path("/sys/amir_quickstart_test")
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        target = locked / "q"
+    with pytest.raises(QuickstartError, match="permission denied"):
+        prepare_workdir(target, ["grpo"])
+
+
+def test_cli_answers_bad_use_with_one_line_and_exit_2(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(["--workdir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("[quickstart] error: ") and "already holds other files" in err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--workdir", str(tmp_path / "new"), "--runs", "grpo,ppo"])
+    assert exit_info.value.code == 2 and "unknown ['ppo']" in capsys.readouterr().err
