@@ -2,7 +2,7 @@
 
 - a character-level tokenizer with a chat template (``transformers.PreTrainedTokenizerFast``),
 - a randomly initialised tiny Qwen2 (``save_pretrained``),
-- a toy task in verl's GSM8K parquet schema (``data_source, prompt, ability, reward_model, extra_info``):
+- a toy task in the schema of every amir-verl data file (:data:`amir_verl.datasets.ROW_SCHEMA`):
   "last digit of a + b", answered with one digit, and its rule reward :func:`compute_score`.
 
 The task is small enough that a 0.1 M-parameter model moves its reward within a few CPU steps.
@@ -15,6 +15,8 @@ import json
 import random
 import re
 from pathlib import Path
+
+from amir_verl.datasets import make_row, write_rows
 
 DATA_SOURCE = "amir_verl/toy_last_digit"
 SPECIAL = ["<pad>", "<eos>"]
@@ -83,26 +85,16 @@ def make_rows(n: int, split: str, seed: int) -> list[dict]:
         a, b = rng.randrange(10), rng.randrange(10)
         question = f"q{index} {split[:2]}: {a}+{b}=?"  # unique text: no two groups share a prompt
         answer = str((a + b) % 10)
-        rows.append(
-            {
-                "data_source": DATA_SOURCE,
-                "prompt": [{"role": "user", "content": question}],
-                "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": answer},
-                "extra_info": {"split": split, "index": index, "answer": f"#### {answer}", "question": question},
-            }
-        )
+        rows.append(make_row(DATA_SOURCE, [{"role": "user", "content": question}], [answer], split, index,
+                             f"{split}-{index}", question))
     return rows
 
 
 def make_dataset(out_dir: Path, n_train: int = 256, n_test: int = 32, seed: int = 0) -> dict[str, Path]:
-    import pandas as pd
-
-    out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
     for split, n, s in (("train", n_train, seed), ("test", n_test, seed + 1)):
         paths[split] = out_dir / f"{split}.parquet"
-        pd.DataFrame(make_rows(n, split, s)).to_parquet(paths[split])
+        write_rows(make_rows(n, split, s), paths[split])
     return paths
 
 
@@ -112,12 +104,15 @@ _FIRST_DIGIT = re.compile(r"\d")
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict:
     """1.0 when the first digit of the response is the answer, 0.1 for any other digit, else 0.
 
+    ``ground_truth``: the answer, or the rows' list of accepted answers (verl passes the list).
+
     The 0.1 gives a random model a reward gradient towards answering with a digit at all; with
     ``amir.delta_r=0.5`` only a correct-versus-wrong difference forms a preference pair.
     """
     match = _FIRST_DIGIT.search(solution_str or "")
     pred = match.group(0) if match else ""
-    acc = float(pred == str(ground_truth))
+    golds = [ground_truth] if isinstance(ground_truth, str) else [str(g) for g in ground_truth]
+    acc = float(pred in golds)
     return {"score": acc if acc else (0.1 if pred else 0.0), "acc": acc, "pred": pred}
 
 
