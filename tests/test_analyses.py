@@ -1,6 +1,6 @@
-"""amir-eval analyses on synthetic dumps with known answers; log-prob analyses with a tiny local model."""
+"""amir-eval analyses on dumps written by verl's own ``_write_generations``, against hand-computed
+numbers; every analysis compares several runs in one figure; log-prob analyses with a tiny local model."""
 
-import json
 import math
 
 import pandas as pd
@@ -10,67 +10,101 @@ import torch
 from amir_verl.cpu.toy_task import make_assets
 from amir_verl.evaluation import analyses
 from amir_verl.evaluation.cli import main
-from amir_verl.evaluation.passk import EvaluationError, Sample
+from amir_verl.evaluation.passk import Sample
+from tests.test_evaluation import verl_dump
 
 
-def dump(path, rows):
-    """A verl validation dump as amir-verl's reward fills it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for i, (problem, source, correct, confidence, prompt, response) in enumerate(rows):
-        lines.append(json.dumps({"input": prompt, "output": response, "gts": "", "score": float(correct), "step": 5,
-                                 "acc": float(correct), "data_source": source, "problem_id": problem,
-                                 "confidence": confidence, "uid": f"{problem}x_{i}_0"}))
-    path.write_text("\n".join(lines) + "\n")
+def dump(folder, rows, step=5):
+    """A verl validation dump as amir-verl's reward fills it; rows: (problem, source, correct, confidence,
+    prompt, response), one single-output session each."""
+    return verl_dump(folder, step, [
+        {"input": prompt, "output": response, "score": float(correct), "acc": float(correct), "data_source": source,
+         "problem_id": problem, "confidence": confidence, "uid": f"{problem}x_{i}_0",
+         "brier": 1.0 if confidence < 0 else (correct - confidence) ** 2}  # the reward's rule
+        for i, (problem, source, correct, confidence, prompt, response) in enumerate(rows)])
 
 
-def test_calibration_by_hand(tmp_path, capsys):
-    rows = [("p1", "openai/gsm8k", True, 0.9, "q", "a"), ("p1", "openai/gsm8k", False, 0.9, "q", "b"),
-            ("p2", "openai/gsm8k", True, 0.15, "q", "c"), ("p2", "openai/gsm8k", False, -1.0, "q", "d")]
-    dump(tmp_path / "run" / "5.jsonl", rows)
-    assert main(["calibration", "--run", f"AMIR={tmp_path / 'run'}", "--out", str(tmp_path / "out")]) == 0
-    brier = ((1 - 0.9) ** 2 + (0 - 0.9) ** 2 + (1 - 0.15) ** 2) / 3
-    ece = 2 / 3 * abs(0.5 - 0.9) + 1 / 3 * abs(1.0 - 0.15)
-    out = capsys.readouterr().out
-    assert f"Brier {brier:.4f}" in out and f"ECE {ece:.4f}" in out and "without confidence: 1" in out
-    table = pd.read_csv(tmp_path / "out" / "calibration.csv")
-    assert table["count"].sum() == 3 and (tmp_path / "out" / "calibration.png").stat().st_size > 1000
+def test_calibration_of_two_runs_by_hand(tmp_path, capsys):
+    gsm = "openai/gsm8k"
+    a = dump(tmp_path / "a", [("p1", gsm, True, 0.9, "q", "a"), ("p1", gsm, False, 0.9, "q", "b"),
+                              ("p2", gsm, True, 0.15, "q", "c"), ("p2", gsm, False, -1.0, "q", "d")])
+    b = dump(tmp_path / "b", [("p1", gsm, True, 0.55, "q", "a"), ("p1", gsm, True, 0.55, "q", "b"),
+                              ("p2", gsm, False, 0.05, "q", "c"), ("p2", gsm, False, 0.05, "q", "d")])
+    out = tmp_path / "out"
+    assert main(["calibration", "--run", f"GRPO={a}", "--run", f"AMIR={b}", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    stated_sq = (1 - 0.9) ** 2 + (0 - 0.9) ** 2 + (1 - 0.15) ** 2
+    ece_a = 2 / 3 * abs(0.5 - 0.9) + 1 / 3 * abs(1.0 - 0.15)
+    assert (f"GRPO: Brier (stated) {stated_sq / 3:.4f} over 3  Brier (missing as 1) {(stated_sq + 1) / 4:.4f} over 4  "
+            f"ECE {ece_a:.4f}  without confidence: 1") in text
+    b_sq = 2 * 0.45 ** 2 + 2 * 0.05 ** 2
+    assert f"AMIR: Brier (stated) {b_sq / 4:.4f} over 4  Brier (missing as 1) {b_sq / 4:.4f} over 4" in text
+    assert "counts a response without one as 1, as amir-verl's reward logs brier" in text
+    # the reward's own per-response brier (in the dump) averages to the "missing as 1" definition
+    assert pd.read_json(a, lines=True)["brier"].mean() == pytest.approx((stated_sq + 1) / 4)
+    table = pd.read_csv(out / "calibration_GRPO_vs_AMIR.csv")
+    counts = table.pivot(index="bin_lo", columns="run", values="count")
+    assert counts["GRPO"].tolist() == [0, 1, 0, 0, 0, 0, 0, 0, 0, 2] and counts["AMIR"].sum() == 4
+    assert counts["AMIR"][0.0] == 2 and counts["AMIR"][0.5] == 2
+    assert table[table["count"] == 0]["accuracy"].isna().all()  # an empty bin has no accuracy, not 0
+    assert (out / "calibration_GRPO_vs_AMIR.png").stat().st_size > 10_000
 
 
-def test_lengths_by_hand(tmp_path):
-    rows = [("p1", "openai/gsm8k", True, 0.5, "q", "one two"), ("p1", "openai/gsm8k", False, 0.5, "q", "a b c d e f"),
-            ("p2", "openai/gsm8k", False, 0.5, "q", "a b c d")]
-    dump(tmp_path / "run.jsonl", rows)
-    assert main(["lengths", "--run", f"X={tmp_path / 'run.jsonl'}", "--out", str(tmp_path / "out")]) == 0
-    table = pd.read_csv(tmp_path / "out" / "lengths.csv")
-    assert table.set_index("correct").loc[False, "mean"] == 5.0 and table.set_index("correct").loc[True, "mean"] == 2.0
-    assert (tmp_path / "out" / "lengths.png").exists()
+def test_lengths_of_two_runs_by_hand(tmp_path):
+    gsm, aime = "openai/gsm8k", "math-ai/aime25"
+    a = dump(tmp_path / "a", [("p1", gsm, True, 0.5, "q", "one two"), ("p1", gsm, False, 0.5, "q", "a b c d e f"),
+                              ("p2", gsm, False, 0.5, "q", "a b c d"), ("q1", aime, False, 0.5, "q", "x")])
+    b = dump(tmp_path / "b", [("p1", gsm, False, 0.5, "q", "a b"), ("p2", gsm, True, 0.5, "q", "a b c"),
+                              ("q1", aime, False, 0.5, "q", "x y z")])
+    assert main(["lengths", "--run", f"GRPO={a}", "--run", f"AMIR={b}", "--out", str(tmp_path / "out")]) == 0
+    table = pd.read_csv(tmp_path / "out" / "lengths_GRPO_vs_AMIR.csv").set_index(["run", "benchmark", "correct"])
+    assert table.loc[("GRPO", "GSM8K", False), "mean"] == 5.0 and table.loc[("GRPO", "GSM8K", True), "mean"] == 2.0
+    assert table.loc[("AMIR", "GSM8K", False), "mean"] == 2.0 and table.loc[("AMIR", "AIME 2025", False), "mean"] == 3.0
+    assert (tmp_path / "out" / "lengths_GRPO_vs_AMIR.png").stat().st_size > 10_000
 
 
-def test_coverage_table2_by_hand(tmp_path):
-    def run(name, solved):
-        rows = [(p, "math-ai/aime25", p in solved, 0.5, "q", "r") for p in ("a", "b", "c", "d") for _ in range(2)]
-        dump(tmp_path / f"{name}.jsonl", rows)
-        return f"{name}={tmp_path / f'{name}.jsonl'}"
+def coverage_run(tmp_path, name, solved, problems=("a", "b", "c", "d")):
+    rows = [(p, "math-ai/aime25", p in solved, 0.5, "q", "r") for p in problems for _ in range(2)]
+    return f"{name}={dump(tmp_path / name, rows)}"
 
-    args = ["coverage", "--run", run("base", {"a"}), "--run", run("GRPO", {"a", "b"}), "--run", run("AMIR", {"a", "c"}),
-            "--out", str(tmp_path / "out")]
+
+def test_coverage_table2_by_hand(tmp_path, capsys):
+    out = tmp_path / "out"
+    args = ["coverage", "--run", coverage_run(tmp_path, "base", {"a"}), "--run",
+            coverage_run(tmp_path, "GRPO", {"a", "b"}), "--run", coverage_run(tmp_path, "AMIR", {"a", "c"}),
+            "--out", str(out)]
     assert main(args) == 0
-    row = pd.read_csv(tmp_path / "out" / "coverage.csv").iloc[0]
+    row = pd.read_csv(out / "coverage_base_vs_GRPO_vs_AMIR.csv").iloc[0]
     assert (row["problems"], row["solvable_base"], row["solvable_GRPO"], row["solvable_AMIR"]) == (4, 1, 2, 2)
     assert (row["solvable_all"], row["solvable_none"], row["only_AMIR"], row["only_GRPO"]) == (1, 1, 1, 1)
-    assert (tmp_path / "out" / "coverage.png").exists()
-    patterns = pd.read_csv(tmp_path / "out" / "coverage_patterns.csv").set_index("pattern")["problems"]
-    # solvable by some run: a (all), b (GRPO only), c (AMIR only)
-    assert (patterns["YYY"], patterns["NYN"], patterns["NNY"], patterns["NNN"]) == (1, 1, 1, 0)
-    assert patterns.sum() == 3
+    patterns = pd.read_csv(out / "coverage_base_vs_GRPO_vs_AMIR_patterns.csv").set_index("pattern")
+    # solvable by some run: a (all), b (GRPO only), c (AMIR only); the paper's order, NNN left out
+    assert list(patterns.index) == ["YYY", "YYN", "YNY", "YNN", "NYY", "NYN", "NNY"]
+    assert patterns["problems"].to_dict() == {"YYY": 1, "YYN": 0, "YNY": 0, "YNN": 0, "NYY": 0, "NYN": 1, "NNY": 1}
+    assert patterns["percent_of_solvable"]["YYY"] == pytest.approx(100 / 3)
+    assert (out / "coverage_base_vs_GRPO_vs_AMIR.png").stat().st_size > 10_000
+    capsys.readouterr()
+    assert main(args) == 2  # a second run to the same --out is refused, not overwritten
+    assert "exist(s); --overwrite replaces" in capsys.readouterr().err
 
 
-def test_coverage_refuses_runs_over_different_problems():
-    a = [Sample("p1", "s", True)]
-    b = [Sample("p2", "s", True)]
-    with pytest.raises(EvaluationError, match="do not cover the same problems"):
-        analyses.coverage({"a": a, "b": b})
+def test_coverage_over_shared_problems_names_what_is_left_out(tmp_path, capsys):
+    base = coverage_run(tmp_path, "base", {"a", "e"}, problems=("a", "b", "c", "d", "e"))
+    args = ["coverage", "--run", base, "--run", coverage_run(tmp_path, "AMIR", {"b"}), "--out", str(tmp_path / "o")]
+    assert main(args) == 0
+    assert "AIME 2025: 1 of 5 problem(s) not in every run (1 lacked by AMIR)" in capsys.readouterr().out
+    patterns = pd.read_csv(tmp_path / "o" / "coverage_base_vs_AMIR_patterns.csv").set_index("pattern")["problems"]
+    assert patterns.to_dict() == {"YY": 0, "YN": 1, "NY": 1}  # e left out
+    assert main(args + ["--all-problems", "--overwrite"]) == 0
+    patterns = pd.read_csv(tmp_path / "o" / "coverage_base_vs_AMIR_patterns.csv").set_index("pattern")["problems"]
+    assert patterns.to_dict() == {"YY": 0, "YN": 2, "NY": 1}  # e kept: AMIR lacks it, so has not solved it
+
+
+def test_problem_strata_span_all_runs():
+    runs = {"A": [Sample("1", "s", True), Sample("1", "s", True), Sample("2", "s", False), Sample("3", "s", True)],
+            "B": [Sample("1", "s", True), Sample("2", "s", False), Sample("3", "s", False)]}
+    assert analyses.problem_strata(runs) == {("s", "1"): "all correct in every run",
+                                             ("s", "2"): "none correct in any run", ("s", "3"): "mixed"}
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +114,11 @@ def toy_model(tmp_path_factory):
 
 def test_margin_and_perplexity_match_a_direct_forward(toy_model, tmp_path, capsys):
     model, tokenizer = analyses.load_model(toy_model)
-    rows = [("p1", "openai/gsm8k", True, 0.5, "q1: 3+4=?\nA: ", "7"), ("p1", "openai/gsm8k", False, 0.5,
-            "q1: 3+4=?\nA: ", "12"), ("p2", "openai/gsm8k", True, 0.5, "q2: 1+1=?\nA: ", "2")]
-    dump(tmp_path / "run.jsonl", rows)
+    gsm, q1, q2 = "openai/gsm8k", "q1: 3+4=?\nA: ", "q2: 1+1=?\nA: "
+    a = dump(tmp_path / "a", [("p1", gsm, True, 0.5, q1, "7"), ("p1", gsm, False, 0.5, q1, "12"),
+                              ("p2", gsm, True, 0.5, q2, "2")])
+    b = dump(tmp_path / "b", [("p1", gsm, True, 0.5, q1, "7"), ("p1", gsm, False, 0.5, q1, "9"),
+                              ("p2", gsm, True, 0.5, q2, "2")])
 
     def direct(prompt, response):
         ids = tokenizer(prompt + response)["input_ids"]
@@ -91,19 +127,26 @@ def test_margin_and_perplexity_match_a_direct_forward(toy_model, tmp_path, capsy
             lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
         return float(sum(lp[t - 1, ids[t]] for t in range(n, len(ids))) / (len(ids) - n))
 
-    assert main(["margin", "--run", f"AMIR={tmp_path / 'run.jsonl'}", "--model", toy_model,
+    runs = ["--run", f"GRPO={a}", "--run", f"AMIR={b}"]
+    assert main(["margin", *runs, "--model", f"GRPO={toy_model}", "--out", str(tmp_path / "m")]) == 2
+    assert "no model for ['AMIR']" in capsys.readouterr().err
+    assert main(["margin", *runs, "--model", f"GRPO={toy_model}", "--model", f"AMIR={toy_model}",
                  "--out", str(tmp_path / "m")]) == 0
-    margin = pd.read_csv(tmp_path / "m" / "margin.csv")
-    assert list(margin["problem_id"]) == ["p1"]  # p2 has no incorrect response
-    expected = direct("q1: 3+4=?\nA: ", "7") - direct("q1: 3+4=?\nA: ", "12")
-    assert margin["margin"].iloc[0] == pytest.approx(expected, abs=1e-5)
+    margin = pd.read_csv(tmp_path / "m" / "margin_GRPO_vs_AMIR.csv").set_index("run")
+    assert list(margin["problem_id"]) == ["p1", "p1"]  # p2 has no incorrect response
+    assert margin.loc["GRPO", "margin"] == pytest.approx(direct(q1, "7") - direct(q1, "12"), abs=1e-5)
+    assert margin.loc["AMIR", "margin"] == pytest.approx(direct(q1, "7") - direct(q1, "9"), abs=1e-5)
+    text = capsys.readouterr().out
+    assert f"AMIR: mean preference margin {direct(q1, '7') - direct(q1, '9'):.4f} over 1 problems" in text
 
-    assert main(["perplexity", "--run", f"AMIR={tmp_path / 'run.jsonl'}", "--model", toy_model,
+    assert main(["perplexity", *runs, "--model", f"GRPO={toy_model}", "--model", f"AMIR={toy_model}",
                  "--out", str(tmp_path / "p")]) == 0
-    ppl = pd.read_csv(tmp_path / "p" / "perplexity.csv")
-    assert list(ppl["stratum"]) == ["mixed", "mixed", "all correct"]
-    assert ppl["perplexity"].iloc[2] == pytest.approx(math.exp(-direct("q2: 1+1=?\nA: ", "2")), rel=1e-5)
-    assert (tmp_path / "m" / "margin.png").exists() and (tmp_path / "p" / "perplexity.png").exists()
+    ppl = pd.read_csv(tmp_path / "p" / "perplexity_GRPO_vs_AMIR.csv")
+    assert list(ppl["stratum"]) == ["mixed", "mixed", "all correct in every run"] * 2
+    assert ppl["perplexity"].iloc[2] == pytest.approx(math.exp(-direct(q2, "2")), rel=1e-5)
+    assert ppl["perplexity"].iloc[4] == pytest.approx(math.exp(-direct(q1, "9")), rel=1e-5)
+    for png in (tmp_path / "m" / "margin_GRPO_vs_AMIR.png", tmp_path / "p" / "perplexity_GRPO_vs_AMIR.png"):
+        assert png.stat().st_size > 10_000
 
 
 def test_synthetic_example_runs_every_command(tmp_path):
@@ -116,6 +159,7 @@ def test_synthetic_example_runs_every_command(tmp_path):
     out = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    for name in ("calibration", "lengths", "coverage", "margin", "perplexity"):
-        assert (tmp_path / f"{name}.png").stat().st_size > 1000 and (tmp_path / f"{name}.csv").exists()
+    for name in ("calibration_GRPO_vs_AMIR", "lengths_GRPO_vs_AMIR", "coverage_base_vs_GRPO_vs_AMIR",
+                 "margin_GRPO_vs_AMIR", "perplexity_GRPO_vs_AMIR"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 10_000 and (tmp_path / f"{name}.csv").exists()
     assert "| AIME 2025 |" in (tmp_path / "table1.md").read_text()

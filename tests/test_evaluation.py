@@ -1,17 +1,27 @@
-"""amir-eval: the pass@k estimator against exact enumeration, and the CLI on synthetic dumps."""
+"""amir-eval: the pass@k estimator against exact enumeration, and reading dumps written by verl's own
+``_write_generations`` (V1 trainer): sessions, bad lines, unshared problems, dumps of another reward."""
 
 import itertools
 import json
 import math
+import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from verl.protocol import DataProto
+from verl.trainer.ppo.core_algos import AdvantageEstimator
+from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
 
 from amir_verl.evaluation.cli import main
 from amir_verl.evaluation.passk import EvaluationError, Sample, benchmark_pass_at_k, pass_at_k
+from amir_verl.evaluation.records import final_session_outputs, load_run
+from tests.seams import fingerprint
 
 
 @given(st.integers(1, 9).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n), st.integers(1, n))))
@@ -36,19 +46,29 @@ def test_fewer_samples_than_k_names_the_problem():
         benchmark_pass_at_k(samples, [1, 4])
 
 
+def verl_dump(folder, step, lines):
+    """``<folder>/<step>.jsonl`` written by verl's own V1 ``_write_generations``; ``lines`` are dicts with
+    input, output, score and the reward's extra fields (uid included), as verl's ``_validate`` passes them."""
+    keys = list(dict.fromkeys(k for line in lines for k in line))
+    extra = {k: [line.get(k) for line in lines] for k in keys if k not in ("input", "output", "gts", "score")}
+    PPOTrainer._write_generations(
+        inputs=[line["input"] for line in lines], outputs=[line["output"] for line in lines],
+        gts=[line.get("gts", "1") for line in lines], scores=[line["score"] for line in lines],
+        reward_extra_infos_dict=extra, dump_path=str(folder), global_steps=step)
+    return folder / f"{step}.jsonl"
+
+
+def graded(problem, outcomes, source="openai/gsm8k", prompt_uid=None, **fields):
+    """amir-verl reward lines of one problem: one single-output session per outcome."""
+    prompt_uid = prompt_uid or f"{problem}-uuid"
+    return [{"input": f"question {problem}", "output": f"<answer>{int(ok)}</answer>", "score": float(ok),
+             "acc": float(ok), "pred": str(int(ok)), "data_source": source, "problem_id": problem,
+             "confidence": 0.5, "uid": f"{prompt_uid}_{session}_0", **fields} for session, ok in enumerate(outcomes)]
+
+
 def write_verl_dump(folder, step, outcomes_by_problem, source="openai/gsm8k"):
-    """A verl validation dump (``<step>.jsonl``) as amir-verl's reward fills it."""
-    folder.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for problem, outcomes in outcomes_by_problem.items():
-        for session, correct in enumerate(outcomes):
-            lines.append(json.dumps({
-                "input": f"question {problem}", "output": f"<answer>{int(correct)}</answer>", "gts": "1",
-                "score": float(correct), "step": step, "acc": float(correct), "pred": str(int(correct)),
-                "data_source": source, "problem_id": problem, "confidence": 0.5,
-                "uid": f"{problem}uuid_{session}_0",
-            }))
-    (folder / f"{step}.jsonl").write_text("\n".join(lines) + "\n")
+    return verl_dump(folder, step, [line for problem, outcomes in outcomes_by_problem.items()
+                                    for line in graded(problem, outcomes, source)])
 
 
 def test_cli_table1_on_synthetic_dumps(tmp_path, capsys):
@@ -73,14 +93,166 @@ def test_cli_table1_on_synthetic_dumps(tmp_path, capsys):
     for i, k in enumerate((1, 2, 4)):
         b, o = 100 * base_p1[i] / 2, 100 * (other_p1[i] + other_p2[i]) / 2
         assert f"{b:.1f} -> {o:.1f} ({o - b:+.1f})" in out
-    assert "| AIME 2025 | 0.0 -> 100.0 (+100.0)" in out
+    assert "| AIME 2025 | 0.0 -> 100.0 (+100.0)" in out and "note:" not in out
     csv_lines = (tmp_path / "table1.csv").read_text().splitlines()
     assert csv_lines[0] == "benchmark,k,GRPO_pass_at_k_pct,AMIR_pass_at_k_pct,gain_pts" and len(csv_lines) == 1 + 2 * 3
     assert (tmp_path / "table1.md").read_text().startswith("| Benchmark (GRPO -> AMIR)")
 
-    # a dump folder uses its latest step
-    assert main(["passk", "--base", f"GRPO={tmp_path / 'grpo'}", "--k", "1"]) == 0
+    # a dump folder uses its latest step; --base alone writes --out too
+    assert main(["passk", "--base", f"GRPO={tmp_path / 'grpo'}", "--k", "1", "--out", str(tmp_path / "one")]) == 0
     assert f"| GSM8K | {100 * pass_at_k(4, 1, 1) / 2:.1f} |" in capsys.readouterr().out
+    assert (tmp_path / "one.csv").read_text().splitlines() == ["benchmark,k,GRPO_pass_at_k_pct", "GSM8K,1,12.5000"]
+    # nothing is overwritten silently
+    assert main(["passk", "--base", f"GRPO={tmp_path / 'grpo'}", "--k", "2", "--out", str(tmp_path / "one")]) == 2
+    assert "one.md" in capsys.readouterr().err and "GSM8K,1,12.5000" in (tmp_path / "one.csv").read_text()
+    assert main(["passk", "--base", f"GRPO={tmp_path / 'grpo'}", "--k", "2", "--out", str(tmp_path / "one"),
+                 "--overwrite"]) == 0
+    assert "GSM8K,2," in (tmp_path / "one.csv").read_text()
+
+
+@pytest.mark.parametrize("ks,message", [(["0"], "k must be at least 1, got 0"), (["-2", "1"], "got -2"),
+                                        (["1", "5"], r"has 4 sample\(s\), fewer than k=5")])
+def test_k_outside_1_to_n_is_a_one_line_error(tmp_path, capsys, ks, message):
+    write_verl_dump(tmp_path / "run", 1, {"p1": [1, 0, 0, 0]})
+    assert main(["passk", "--base", f"X={tmp_path / 'run'}", "--k", *ks]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_line_separators_inside_json_strings_are_not_line_breaks(tmp_path):
+    response = "step 1\u2028step 2\u0085step 3\u2029\x0c\r end"
+    path = verl_dump(tmp_path / "run", 3, graded("p1", [1, 0], output=response) +
+                     [dict(line, output="ok") for line in graded("p2", [1, 1])])
+    assert "\u2028" in path.read_text(encoding="utf-8")  # verl writes it raw (ensure_ascii=False)
+    run = load_run(path)
+    assert [s.response for s in run.samples] == [response, response, "ok", "ok"] and run.notes == []
+
+
+def test_a_cut_off_or_malformed_line_is_named_and_skipped_only_on_request(tmp_path, capsys):
+    path = verl_dump(tmp_path / "run", 3, graded("p1", [1, 0]) + graded("p2", [1, 1], output="Lösung ✓"))
+    whole = path.read_bytes()
+    path.write_bytes(whole[: whole.rindex("✓".encode()) + 1])  # cut inside the 3-byte character
+    assert main(["passk", "--base", f"X={path}", "--k", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:4: not UTF-8" in err and err.count("\n") == 1
+    assert main(["passk", "--base", f"X={path}", "--k", "1", "--skip-malformed"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped 1 malformed line(s): 4" in out and "| GSM8K | 75.0 |" in out  # p1 1/2, p2 1/1
+
+    lines = whole.decode().split("\n")
+    path.write_text("\n".join(lines[:1] + ['{"input": "q", "output": '] + lines[1:]), encoding="utf-8")
+    assert main(["passk", "--base", f"X={path}", "--k", "1"]) == 2
+    assert f"{path}:2: not a JSON object" in capsys.readouterr().err
+    path.write_text("[1, 2]\n", encoding="utf-8")
+    assert main(["passk", "--base", f"X={path}", "--k", "1"]) == 2
+    assert f"{path}:1: not a JSON object (a JSON list" in capsys.readouterr().err
+
+
+def session_lines(problem, sessions):
+    """A multi-output agent session per entry of ``sessions``: (outputs, final acc). verl's V1 dump gives
+    every output of a session the final output's reward fields."""
+    lines = []
+    for session, (outputs, ok) in enumerate(sessions):
+        for index, text in enumerate(outputs):
+            line = graded(problem, [ok])[0]
+            lines.append(dict(line, output=text, uid=f"{problem}-uuid_{session}_{index}"))
+    return lines
+
+
+def test_multi_output_sessions_count_once_by_their_final_output(tmp_path, capsys):
+    # p1: 4 sessions, 2 correct, the first with three outputs; p2: 4 single-output sessions, 1 correct
+    lines = session_lines("p1", [(["a", "b c", "d e f"], 1), (["x"], 0), (["y y", "z"], 1), (["w"], 0)])
+    lines += session_lines("p2", [(["q"], 1), (["q"], 0), (["q"], 0), (["q"], 0)])
+    path = verl_dump(tmp_path / "run", 7, lines)
+    run = load_run(path)
+    assert [s.response for s in run.samples if s.problem_id == "p1"] == ["d e f", "x", "z", "w"]
+    assert len(run.samples) == 8 and "3 earlier output(s)" in run.notes[0]
+    assert main(["passk", "--base", f"X={path}", "--k", "1", "2"]) == 0
+    p1, p2 = pass_at_k(4, 2, 2), pass_at_k(4, 1, 2)
+    assert f"| GSM8K | {100 * (2 / 4 + 1 / 4) / 2:.1f} | {100 * (p1 + p2) / 2:.1f} |" in capsys.readouterr().out
+
+
+def test_session_rule_is_verls(tmp_path):
+    """``final_session_outputs`` keeps the rows whose reward verl's GRPO advantage uses: each row's
+    advantage from ``compute_advantage_for_multi_trajectories`` equals, by hand, the group-normalised
+    reward of its session's row that ``final_session_outputs`` picks. Index 10 after 9 and a uid with
+    underscores catch a string comparison or a wrong split."""
+    keys = ["u_a_0_0", "u_a_0_9", "u_a_0_10", "u_a_1_0", "u_a_2_1", "u_a_2_0", "v_0_0", "v_1_1", "v_1_0", "v_2_0"]
+    prompt = ["u_a"] * 6 + ["v"] * 4
+    reward = [5.0, 7.0, 1.0, 0.0, 3.0, 9.0, 2.0, 4.0, 8.0, 1.0]
+    length = 3
+    data = DataProto.from_dict(
+        tensors={"token_level_rewards": torch.tensor([[0.0] * (length - 1) + [r] for r in reward]),
+                 "response_mask": torch.ones(len(keys), length)},
+        non_tensors={"uid": np.array(prompt, dtype=object)})
+    verl_adv = compute_advantage_for_multi_trajectories(data, keys, AdvantageEstimator.GRPO).batch["advantages"][:, 0]
+
+    final = final_session_outputs(keys)
+    assert final == [2, 3, 4, 6, 7, 9]
+    session_of = lambda key: key.rsplit("_", 1)[0]  # noqa: E731
+    expected = []
+    for key in keys:
+        row = next(i for i in final if session_of(keys[i]) == session_of(key))
+        group = [reward[i] for i in final if prompt[i] == prompt[row]]
+        mean = sum(group) / len(group)
+        std = math.sqrt(sum((g - mean) ** 2 for g in group) / (len(group) - 1))
+        expected.append((reward[row] - mean) / (std + 1e-6))
+    assert verl_adv.tolist() == pytest.approx(expected, abs=1e-5)
+
+
+def test_verl_validation_dump_layout_is_pinned():
+    """The session rule of verl's validation (final output per {uid}_{session}, inline in _validate), its
+    copying of the final output's reward fields to every output, and the JSONL writer: amir-eval reads
+    what these write. If verl changes them, re-read them against amir_verl/evaluation/records.py."""
+    assert fingerprint(PPOTrainer._validate) == "f1d58a70e91d7883"
+    assert fingerprint(PPOTrainer._write_generations) == "9dac31a75a9c687e"
+
+
+def test_problems_one_run_lacks_are_left_out_and_named(tmp_path, capsys):
+    # p1..p10: GRPO solves p1..p5 (2/4 each) -> 25.0; AMIR also has p11 (4/4) and AIME q1 that GRPO lacks
+    grpo = {f"p{i}": [1, 1, 0, 0] if i <= 5 else [0] * 4 for i in range(1, 11)}
+    amir = {f"p{i}": [1, 0, 0, 0] for i in range(1, 11)} | {"p11": [1, 1, 1, 1]}
+    write_verl_dump(tmp_path / "grpo", 5, grpo)
+    verl_dump(tmp_path / "amir", 5, [line for p, o in amir.items() for line in graded(p, o)] +
+              graded("q1", [1, 1, 1, 1], source="math-ai/aime25"))
+    args = ["passk", "--base", f"GRPO={tmp_path / 'grpo'}", "--other", f"AMIR={tmp_path / 'amir'}", "--k", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "| GSM8K | 25.0 -> 25.0 (+0.0) |" in out
+    assert "note: benchmark AIME 2025 missing from run(s) GRPO" in out
+    assert "note: GSM8K: 1 of 11 problem(s) not in every run (1 lacked by GRPO)" in out
+    assert "compared over the 10 problem(s) all runs share" in out
+    assert main(args + ["--all-problems"]) == 0
+    out = capsys.readouterr().out
+    assert f"| GSM8K | 25.0 -> {100 * (10 * 0.25 + 1) / 11:.1f} " in out and "kept (--all-problems)" in out
+
+
+def test_dump_of_another_reward_groups_by_file_and_uid_never_by_prompt_text(tmp_path, capsys):
+    """Without data_source/problem_id: the dump's file is the benchmark (or --benchmark-of), the uid's
+    prompt part the problem; two prompts with the same text stay two problems."""
+    def lines(solved_first):
+        return [{"input": "same text", "output": "r", "score": float(ok), "acc": ok, "uid": f"{uid}_{s}_0"}
+                for uid, outcomes in (("9f-1", [solved_first, False]), ("9f-2", [False, False]))
+                for s, ok in enumerate(outcomes)]
+
+    a, b = verl_dump(tmp_path / "a", 3, lines(True)), verl_dump(tmp_path / "b", 3, lines(False))
+    assert main(["passk", "--base", f"A={a}", "--k", "1", "2"]) == 0
+    assert f"| {a} | 25.0 | 50.0 |" in capsys.readouterr().out  # two problems: 1/2 and 0/2, not one 1/4
+    # same uids in both dumps and one benchmark name: they compare problem by problem
+    assert main(["passk", "--base", f"A={a}", "--other", f"B={tmp_path / 'b'}", "--k", "1",
+                 "--benchmark-of", f"{a}=amc", "--benchmark-of", f"{tmp_path / 'b'}=amc"]) == 0
+    assert "| amc | 25.0 -> 0.0 (-25.0) |" in capsys.readouterr().out
+    # without --benchmark-of the two files are two benchmarks
+    assert main(["passk", "--base", f"A={a}", "--other", f"B={b}", "--k", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "share no problem" in err and f"benchmark {a} missing from run(s) B" in err and err.count("\n") == 1
+
+
+def test_ground_truth_may_be_a_string_or_a_list(tmp_path):
+    path = verl_dump(tmp_path / "run", 1, [dict(line, gts=gts) for line, gts in
+                                           zip(graded("p1", [1, 0]), ["12", ["12", "12.0", "\\frac{24}{2}"]])])
+    assert [s.correct for s in load_run(path).samples] == [True, False]
+    assert json.loads(path.read_text().splitlines()[1])["gts"] == ["12", "12.0", "\\frac{24}{2}"]
 
 
 @pytest.mark.parametrize(
@@ -91,13 +263,19 @@ def test_cli_table1_on_synthetic_dumps(tmp_path, capsys):
          r"duplicate sample id \('p', 0\) \(first at line 1\)"),
         ([{"problem_id": "p", "data_source": "s", "response": "r", "correct": "yes"}], "correctness must be"),
         ([{"input": "q", "output": "o", "score": 1.0}], "without 'acc'"),
+        ([{"input": "q", "output": "o", "acc": 1, "uid": "a_0_0"}] * 2,
+         r":2: duplicate uid 'a_0_0' \(first at line 1\)"),
+        ([{"input": "q", "output": "o", "acc": 1, "uid": "a-0"}], r":1: uid 'a-0' is not verl's"),
+        ([{"input": "q", "output": "o", "acc": 1}], "neither problem_id nor uid"),
+        ([{"input": "q", "output": "o", "acc": 1, "problem_id": "p"},
+          {"problem_id": "p", "data_source": "s", "response": "r", "correct": 1}], ":2: verl dump lines .* mixed"),
     ],
 )
 def test_bad_input_names_the_problem(tmp_path, capsys, lines, message):
     path = tmp_path / "samples.jsonl"
     path.write_text("\n".join(json.dumps(line) for line in lines))
     assert main(["passk", "--base", f"X={path}", "--k", "1"]) == 2
-    assert __import__("re").search(message, capsys.readouterr().err)
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_problem_ids_are_per_benchmark(tmp_path, capsys):

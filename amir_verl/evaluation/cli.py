@@ -4,31 +4,40 @@
         [--k 1 2 4] [--step N] [--out table1]
 
 prints the unbiased pass@k per benchmark as "GRPO -> AMIR (+gain)" and writes ``<out>.csv`` and
-``<out>.md``. ``amir-eval passk --base NAME=PATH`` alone prints one run's pass@k. The analyses
-(:mod:`amir_verl.evaluation.analyses`) each write a CSV and a PNG into ``--out``:
+``<out>.md`` (``--base NAME=PATH`` alone: one run's pass@k). The analyses
+(:mod:`amir_verl.evaluation.analyses`) draw every ``--run`` in one figure and write
+``<out>/<analysis>_<run>_vs_<run>...{.csv,.png}``:
 
-    amir-eval calibration --run AMIR=PATH --out DIR
-    amir-eval lengths     --run AMIR=PATH --out DIR [--tokenizer MODEL]
+    amir-eval calibration --run GRPO=PATH --run AMIR=PATH --out DIR
+    amir-eval lengths     --run GRPO=PATH --run AMIR=PATH --out DIR [--tokenizer MODEL]
     amir-eval coverage    --run base=PATH --run GRPO=PATH --run AMIR=PATH --out DIR
-    amir-eval margin      --run AMIR=PATH --model MODEL --out DIR [--device cuda]
-    amir-eval perplexity  --run AMIR=PATH --model MODEL --out DIR [--device cuda]
+    amir-eval margin      --run GRPO=PATH --run AMIR=PATH --model GRPO=MODEL --model AMIR=MODEL --out DIR [--device cuda]
+    amir-eval perplexity  --run GRPO=PATH --run AMIR=PATH --model GRPO=MODEL --model AMIR=MODEL --out DIR [--device cuda]
+
+Runs are compared over the problems they all share (``--all-problems`` keeps the others); what is left
+out, and which run lacked it, is printed. An existing output file is an error unless ``--overwrite``.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import re
 import sys
 from pathlib import Path
+
+import pandas as pd
 
 from amir_verl.evaluation.passk import (
     DISPLAY_NAMES,
     EvaluationError,
+    align_runs,
     benchmark_pass_at_k,
+    benchmark_sort_key,
     comparison_rows,
     table1_markdown,
 )
-from amir_verl.evaluation.records import load_samples
+from amir_verl.evaluation.records import load_run
 
 
 def _named(value: str) -> tuple[str, str]:
@@ -38,150 +47,222 @@ def _named(value: str) -> tuple[str, str]:
     return name, path
 
 
-def run_passk(args) -> int:
-    ks = sorted(set(args.k))
-    base_name, base_path = args.base
-    base = benchmark_pass_at_k(load_samples(base_path, args.step), ks)
-    if args.other is None:
-        print(f"| Benchmark ({base_name}) | " + " | ".join(f"pass@{k}" for k in ks) + " |")
-        print("|---" * (len(ks) + 1) + "|")
-        for source, per_k in base.items():
-            print(f"| {DISPLAY_NAMES.get(source, source)} | " + " | ".join(f"{100 * per_k[k]:.1f}" for k in ks) + " |")
-        return 0
-    other_name, other_path = args.other
-    other = benchmark_pass_at_k(load_samples(other_path, args.step), ks)
-    rows = comparison_rows(base, other, ks)
-    if not rows:
-        raise EvaluationError(f"{base_name} and {other_name} share no benchmark")
-    table = table1_markdown(rows, ks, base_name, other_name)
-    print(table)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".md").write_text(table + "\n")
-        with out.with_suffix(".csv").open("w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["benchmark", "k", f"{base_name}_pass_at_k_pct", f"{other_name}_pass_at_k_pct", "gain_pts"])
-            writer.writerows([(name, k, f"{b:.4f}", f"{o:.4f}", f"{g:+.4f}") for name, k, b, o, g in rows])
-        print(f"wrote {out.with_suffix('.csv')} and {out.with_suffix('.md')}")
-    return 0
-
-
-def _out_dir(args) -> Path:
+def _outputs(args, analysis: str, names: list[str], suffixes: tuple[str, ...]) -> list[Path]:
+    """``<out>/<analysis>_<run>_vs_<run>...<suffix>``; an existing file is an error unless --overwrite."""
     out = Path(args.out)
+    stem = f"{analysis}_" + "_vs_".join(re.sub(r"[^A-Za-z0-9.+-]+", "-", name) for name in names)
+    paths = [out / f"{stem}{suffix}" for suffix in suffixes]
+    existing = [str(p) for p in paths if p.exists()]
+    if existing and not args.overwrite:
+        raise EvaluationError(f"{', '.join(existing)} exist(s); --overwrite replaces, or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    return out
+    return paths
 
 
 def _written(*paths: Path) -> None:
     print("wrote " + ", ".join(str(p) for p in paths))
 
 
+def _load_runs(args, pairs: list[tuple[str, str]]) -> dict[str, list]:
+    """Each named run's samples, over the problems all runs share (unless --all-problems); what reading
+    and aligning left out is printed as notes."""
+    names = [name for name, _ in pairs]
+    if len(set(names)) < len(names):
+        raise EvaluationError(f"run names must differ, got {names}")
+    benchmark_of = dict(args.benchmark_of or [])
+    runs = {}
+    for name, path in pairs:
+        loaded = load_run(path, args.step, args.skip_malformed, benchmark_of)
+        for note in loaded.notes:
+            print(f"note: {name}: {note}")
+        runs[name] = loaded.samples
+    aligned, notes = align_runs(runs, args.all_problems)
+    for note in notes:
+        print(f"note: {note}")
+    return aligned
+
+
+def run_passk(args) -> int:
+    ks = sorted(set(args.k))
+    pairs = [args.base] + ([args.other] if args.other else [])
+    runs = _load_runs(args, pairs)
+    results = {name: benchmark_pass_at_k(samples, ks) for name, samples in runs.items()}
+    base_name, base = args.base[0], results[args.base[0]]
+    if args.other is None:
+        lines = [f"| Benchmark ({base_name}) | " + " | ".join(f"pass@{k}" for k in ks) + " |",
+                 "|---" * (len(ks) + 1) + "|"]
+        sources = sorted(base, key=benchmark_sort_key)
+        rows = [(DISPLAY_NAMES.get(source, source), k, 100 * base[source][k]) for source in sources for k in ks]
+        for source in sources:
+            cells = " | ".join(f"{100 * base[source][k]:.1f}" for k in ks)
+            lines.append(f"| {DISPLAY_NAMES.get(source, source)} | {cells} |")
+        header = ["benchmark", "k", f"{base_name}_pass_at_k_pct"]
+        csv_rows = [(name, k, f"{b:.4f}") for name, k, b in rows]
+    else:
+        other_name = args.other[0]
+        rows = comparison_rows(base, results[other_name], ks)
+        if not rows:
+            raise EvaluationError(f"{base_name} and {other_name} share no benchmark")
+        lines = table1_markdown(rows, ks, base_name, other_name).splitlines()
+        header = ["benchmark", "k", f"{base_name}_pass_at_k_pct", f"{other_name}_pass_at_k_pct", "gain_pts"]
+        csv_rows = [(name, k, f"{b:.4f}", f"{o:.4f}", f"{g:+.4f}") for name, k, b, o, g in rows]
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        md, csv_path = out.with_suffix(".md"), out.with_suffix(".csv")
+        existing = [str(p) for p in (md, csv_path) if p.exists()]
+        if existing and not args.overwrite:
+            raise EvaluationError(f"{', '.join(existing)} exist(s); --overwrite replaces, or choose another --out")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        md.write_text(table + "\n", encoding="utf-8")
+        with csv_path.open("w", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f)
+            writer.writerow(header)
+            writer.writerows(csv_rows)
+        _written(csv_path, md)
+    return 0
+
+
+BRIER_DEFINITIONS = (
+    "Brier (stated) = mean (acc - confidence)^2 over responses stating a confidence; Brier (missing as 1) "
+    "counts a response without one as 1, as amir-verl's reward logs brier; ECE over responses stating one"
+)
+
+
 def run_calibration(args) -> int:
     from amir_verl.evaluation import analyses
 
-    name, path = args.run
-    table, summary = analyses.calibration(load_samples(path, args.step), bins=args.bins)
-    out = _out_dir(args)
-    table.to_csv(out / "calibration.csv", index=False)
-    analyses.plot_calibration(table, summary, name, out / "calibration.png")
-    print(f"{name}: Brier {summary['brier']:.4f}  ECE {summary['ece']:.4f}  n={summary['n']}  "
-          f"without confidence: {summary['missing_confidence']}")
-    _written(out / "calibration.csv", out / "calibration.png")
+    runs = _load_runs(args, args.run)
+    per_run = {name: analyses.calibration(samples, bins=args.bins) for name, samples in runs.items()}
+    csv_path, png = _outputs(args, "calibration", list(runs), (".csv", ".png"))
+    pd.concat([table.assign(run=name) for name, (table, _) in per_run.items()]).to_csv(csv_path, index=False)
+    analyses.plot_calibration(per_run, png)
+    print(BRIER_DEFINITIONS)
+    for name, (_, s) in per_run.items():
+        print(f"{name}: Brier (stated) {s['brier_stated']:.4f} over {s['stated']}  Brier (missing as 1) "
+              f"{s['brier_missing_as_1']:.4f} over {s['n']}  ECE {s['ece']:.4f}  without confidence: "
+              f"{s['missing_confidence']}")
+    _written(csv_path, png)
     return 0
 
 
 def run_lengths(args) -> int:
     from amir_verl.evaluation import analyses
 
-    _, path = args.run
+    runs = _load_runs(args, args.run)
     tokenizer = None
     if args.tokenizer:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    table = analyses.response_lengths(load_samples(path, args.step), tokenizer)
-    out = _out_dir(args)
-    table.to_csv(out / "lengths.csv", index=False)
-    analyses.plot_lengths(table, "tokens" if tokenizer else "words", out / "lengths.png")
+    table = pd.concat([analyses.response_lengths(samples, tokenizer).assign(run=name)
+                       for name, samples in runs.items()])
+    table = table[["run", "benchmark", "correct", "count", "mean", "median"]]
+    csv_path, png = _outputs(args, "lengths", list(runs), (".csv", ".png"))
+    table.to_csv(csv_path, index=False)
+    analyses.plot_lengths(table, "tokens" if tokenizer else "words", png)
     print(table.to_string(index=False))
-    _written(out / "lengths.csv", out / "lengths.png")
+    _written(csv_path, png)
     return 0
 
 
 def run_coverage(args) -> int:
     from amir_verl.evaluation import analyses
 
-    runs = {name: load_samples(path, args.step) for name, path in args.run}
-    if len(runs) < 2:
+    if len(args.run) < 2:
         raise EvaluationError("coverage compares runs: give --run at least twice (e.g. base, GRPO, AMIR)")
-    table = analyses.coverage(runs)
-    patterns = analyses.coverage_patterns(runs)
-    out = _out_dir(args)
-    table.to_csv(out / "coverage.csv", index=False)
-    patterns.to_csv(out / "coverage_patterns.csv", index=False)
-    analyses.plot_coverage(table, list(runs), out / "coverage.png")
+    runs = _load_runs(args, args.run)
+    table, patterns = analyses.coverage(runs), analyses.coverage_patterns(runs)
+    csv_path, patterns_csv, png = _outputs(args, "coverage", list(runs), (".csv", "_patterns.csv", ".png"))
+    table.to_csv(csv_path, index=False)
+    patterns.to_csv(patterns_csv, index=False)
+    analyses.plot_coverage(patterns, list(runs), png)
     print(table.to_string(index=False))
-    print(f"\nTable 2 form ({'/'.join(runs)}: Y solved, N not; % of problems any run solves)")
-    print(patterns.pivot(index="pattern", columns="benchmark", values="percent_of_solvable").round(1).to_string())
-    _written(out / "coverage.csv", out / "coverage_patterns.csv", out / "coverage.png")
+    print(f"\nTable 2 form ({'/'.join(runs)}: Y solved, N not; % of problems some run solves)")
+    print(patterns.pivot(index="pattern", columns="benchmark", values="percent_of_solvable")
+          .reindex(index=list(dict.fromkeys(patterns["pattern"])), columns=list(dict.fromkeys(patterns["benchmark"])))
+          .round(1).to_string())
+    _written(csv_path, patterns_csv, png)
     return 0
 
 
 def run_logprob_analysis(args) -> int:
     from amir_verl.evaluation import analyses
 
-    name, path = args.run
-    samples = load_samples(path, args.step)
-    model, tokenizer = analyses.load_model(args.model, args.device, args.dtype)
-    out = _out_dir(args)
+    runs = _load_runs(args, args.run)
+    models = dict(args.model)
+    unknown, lacking = sorted(set(models) - set(runs)), [name for name in runs if name not in models]
+    if unknown or lacking:
+        problems = ([f"no run {unknown}"] if unknown else []) + ([f"no model for {lacking}"] if lacking else [])
+        raise EvaluationError(f"--model NAME=PATH names each run's model: {'; '.join(problems)}")
+    strata = analyses.problem_strata(runs)
+    results = {}
+    for name, samples in runs.items():
+        model, tokenizer = analyses.load_model(models[name], args.device, args.dtype)
+        if args.command == "margin":
+            results[name] = analyses.preference_margin(samples, model, tokenizer, args.device)
+        else:
+            results[name] = analyses.self_perplexity(samples, strata, model, tokenizer, args.device)
+        del model
+    csv_path, png = _outputs(args, args.command, list(runs), (".csv", ".png"))
     if args.command == "margin":
-        table, summary = analyses.preference_margin(samples, model, tokenizer, args.device)
-        table.to_csv(out / "margin.csv", index=False)
-        analyses.plot_margin(table, summary, name, out / "margin.png")
-        print(f"{name}: mean preference margin {summary['mean_margin']:.4f} over "
-              f"{summary['problems_with_both']} problems with correct and incorrect responses")
-        _written(out / "margin.csv", out / "margin.png")
+        pd.concat([table.assign(run=name) for name, (table, _) in results.items()]).to_csv(csv_path, index=False)
+        analyses.plot_margin(results, png)
+        for name, (_, summary) in results.items():
+            print(f"{name}: mean preference margin {summary['mean_margin']:.4f} over "
+                  f"{summary['problems_with_both']} problems with correct and incorrect responses")
     else:
-        table = analyses.self_perplexity(samples, model, tokenizer, args.device)
-        table.to_csv(out / "perplexity.csv", index=False)
-        analyses.plot_perplexity(table, name, out / "perplexity.png")
-        print(table.groupby("stratum")["perplexity"].describe().to_string())
-        _written(out / "perplexity.csv", out / "perplexity.png")
+        table = pd.concat([table.assign(run=name) for name, table in results.items()])
+        table.to_csv(csv_path, index=False)
+        analyses.plot_perplexity(table, png)
+        print(table.groupby(["stratum", "run"], sort=False)["perplexity"].describe().to_string())
+    _written(csv_path, png)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="amir-eval", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+
+    def reading(cmd):
+        cmd.add_argument("--step", type=int, help="validation step of verl dump folders (default: latest)")
+        cmd.add_argument("--all-problems", action="store_true",
+                         help="keep problems not every run has (default: compare over the shared ones)")
+        cmd.add_argument("--skip-malformed", action="store_true",
+                         help="leave out lines that are not a UTF-8 JSON object (default: stop at the first)")
+        cmd.add_argument("--benchmark-of", type=_named, action="append", metavar="PATH=BENCHMARK",
+                         help="benchmark of the lines of a dump (file or folder) without data_source "
+                              "(default: the dump's file); repeat")
+        cmd.add_argument("--overwrite", action="store_true", help="replace existing output files")
+
     passk = sub.add_parser("passk", help="unbiased pass@k per benchmark, Table 1 form for two runs")
     passk.add_argument("--base", type=_named, required=True, help="NAME=PATH (verl dump folder/file or JSONL)")
     passk.add_argument("--other", type=_named, help="NAME=PATH of the run to compare")
     passk.add_argument("--k", type=int, nargs="+", default=[1, 2, 4])
-    passk.add_argument("--step", type=int, help="validation step of verl dump folders (default: latest)")
     passk.add_argument("--out", help="write <out>.csv and <out>.md")
+    reading(passk)
     passk.set_defaults(func=run_passk)
 
-    def analysis(name: str, help: str, func, many: bool = False):
+    def analysis(name: str, help: str, func):
         cmd = sub.add_parser(name, help=help)
-        if many:
-            cmd.add_argument("--run", type=_named, action="append", required=True, help="NAME=PATH, repeat")
-        else:
-            cmd.add_argument("--run", type=_named, required=True, help="NAME=PATH")
-        cmd.add_argument("--step", type=int, help="validation step of verl dump folders (default: latest)")
-        cmd.add_argument("--out", required=True, help="folder for the CSV and the PNG")
+        cmd.add_argument("--run", type=_named, action="append", required=True, metavar="NAME=PATH",
+                         help="a run to draw (verl dump folder/file or JSONL); repeat to compare")
+        cmd.add_argument("--out", required=True, help="folder for <analysis>_<runs>.csv and .png")
+        reading(cmd)
         cmd.set_defaults(func=func)
         return cmd
 
     analysis("calibration", "Brier score, ECE and reliability diagram", run_calibration).add_argument(
         "--bins", type=int, default=10)
-    analysis("lengths", "length of incorrect vs correct responses", run_lengths).add_argument(
+    analysis("lengths", "length of incorrect (and correct) responses", run_lengths).add_argument(
         "--tokenizer", help="count tokens of this tokenizer (default: words)")
-    analysis("coverage", "solvable-set coverage across runs (Table 2)", run_coverage, many=True)
-    for name, help in (("margin", "preference margin under a model"),
-                       ("perplexity", "self-perplexity by problem stratum (give the generating model)")):
+    analysis("coverage", "solvable-set coverage across runs (Table 2)", run_coverage)
+    for name, help in (("margin", "preference margin of each run under its model (Figure 4)"),
+                       ("perplexity", "self-perplexity by problem stratum under each run's generating model")):
         cmd = analysis(name, help, run_logprob_analysis)
-        cmd.add_argument("--model", required=True, help="HF model path")
+        cmd.add_argument("--model", type=_named, action="append", required=True, metavar="NAME=MODEL",
+                         help="HF model path of run NAME; one per run")
         cmd.add_argument("--device", default="cpu")
         cmd.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     return parser

@@ -46,17 +46,56 @@ def benchmark_pass_at_k(samples: Iterable[Sample], ks: Iterable[int]) -> dict[st
     for sample in samples:
         by_problem[(sample.data_source, sample.problem_id)].append(bool(sample.correct))
     ks = sorted(set(ks))
+    if not ks or ks[0] < 1:
+        raise EvaluationError(f"k must be at least 1, got {ks[0] if ks else 'none'}")
     result: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for (source, problem), outcomes in sorted(by_problem.items()):
         n, c = len(outcomes), sum(outcomes)
         for k in ks:
             if n < k:
                 raise EvaluationError(
-                    f"problem {problem!r} of {source} has {n} sample(s), fewer than k={k}: pass@{k} is undefined "
+                    f"problem {problem!r} of {source} has {n} sample(s), fewer than k={k}: pass@{k} needs "
+                    f"1 <= k <= n "
                     f"(sample more, or drop k={k})"
                 )
             result[source][k].append(pass_at_k(n, c, k))
     return {source: {k: sum(v) / len(v) for k, v in per_k.items()} for source, per_k in result.items()}
+
+
+def align_runs(runs: dict[str, list[Sample]], keep_unshared: bool = False) -> tuple[dict[str, list[Sample]], list[str]]:
+    """The runs restricted to the problems every run has, and notes saying what was left out and which
+    run lacked it. A benchmark missing from a run is named. ``keep_unshared`` keeps every problem (each
+    run is then measured over its own problems) and says so."""
+    problems = {name: {(s.data_source, s.problem_id) for s in samples} for name, samples in runs.items()}
+    if len(runs) < 2:
+        return runs, []
+    shared = set.intersection(*problems.values())
+    notes = []
+    for source in sorted({src for per in problems.values() for src, _ in per}, key=benchmark_sort_key):
+        per_run = {name: {p for src, p in per if src == source} for name, per in problems.items()}
+        lacking = [name for name, own in per_run.items() if not own]
+        if lacking:
+            notes.append(f"benchmark {DISPLAY_NAMES.get(source, source)} missing from run(s) {', '.join(lacking)}")
+            continue
+        union = set.union(*per_run.values())
+        unshared = union - set.intersection(*per_run.values())
+        if unshared:
+            lacked = ", ".join(f"{len(union - own)} lacked by {name}" for name, own in per_run.items() if union - own)
+            notes.append(f"{DISPLAY_NAMES.get(source, source)}: {len(unshared)} of {len(union)} problem(s) not in "
+                         f"every run ({lacked})")
+    if notes:
+        if keep_unshared:
+            notes.append("kept (--all-problems): each run is measured over its own problems")
+        else:
+            notes.append(f"compared over the {len(shared)} problem(s) all runs share; --all-problems keeps the others")
+    if keep_unshared:
+        return runs, notes
+    if not shared:
+        raise EvaluationError("the runs share no problem (" + "; ".join(notes[:-1]) + "); without problem_id in "
+                              "the dumps problems are told apart by verl's per-run uid and cannot be matched "
+                              "across runs: use --all-problems")
+    return {name: [s for s in samples if (s.data_source, s.problem_id) in shared]
+            for name, samples in runs.items()}, notes
 
 
 DISPLAY_NAMES = {
@@ -70,12 +109,18 @@ DISPLAY_NAMES = {
 }
 
 
+def benchmark_sort_key(benchmark: str) -> tuple[int, str]:
+    """The paper's benchmark order (by data source or display name), then the others by name."""
+    for order in (list(DISPLAY_NAMES), list(DISPLAY_NAMES.values())):
+        if benchmark in order:
+            return order.index(benchmark), ""
+    return len(DISPLAY_NAMES), benchmark
+
+
 def comparison_rows(base: dict[str, dict[int, float]], other: dict[str, dict[int, float]], ks: list[int]):
     """Rows (benchmark, k, base %, other %, gain in points) for the benchmarks both runs have."""
     rows = []
-    for source in [s for s in DISPLAY_NAMES if s in base and s in other] + sorted(
-        s for s in base.keys() & other.keys() if s not in DISPLAY_NAMES
-    ):
+    for source in sorted(base.keys() & other.keys(), key=benchmark_sort_key):
         for k in ks:
             b, o = 100 * base[source][k], 100 * other[source][k]
             rows.append((DISPLAY_NAMES.get(source, source), k, b, o, o - b))
