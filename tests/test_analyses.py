@@ -50,6 +50,15 @@ def test_calibration_of_two_runs_by_hand(tmp_path, capsys):
     assert (out / "calibration_GRPO_vs_AMIR.png").stat().st_size > 10_000
 
 
+def test_calibration_needs_a_bin_and_a_stated_confidence(tmp_path, capsys):
+    path = dump(tmp_path / "a", [("p1", "openai/gsm8k", True, -1.0, "q", "a")])
+    assert main(["calibration", "--run", f"A={path}", "--out", str(tmp_path / "o"), "--bins", "0"]) == 2
+    assert "--bins must be at least 1, got 0" in capsys.readouterr().err
+    assert main(["calibration", "--run", f"A={path}", "--out", str(tmp_path / "o")]) == 2
+    assert "no sample states a confidence" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_lengths_of_two_runs_by_hand(tmp_path):
     gsm, aime = "openai/gsm8k", "math-ai/aime25"
     a = dump(tmp_path / "a", [("p1", gsm, True, 0.5, "q", "one two"), ("p1", gsm, False, 0.5, "q", "a b c d e f"),

@@ -248,6 +248,20 @@ def test_dump_of_another_reward_groups_by_file_and_uid_never_by_prompt_text(tmp_
     assert "share no problem" in err and f"benchmark {a} missing from run(s) B" in err and err.count("\n") == 1
 
 
+def test_v0_trainer_dump_without_uid_reads_one_sample_per_line(tmp_path, capsys):
+    """verl's V0 trainer (RayPPOTrainer) dumps no uid: each line is one sample of the problem the
+    reward's problem_id names."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    lines = graded("p1", [1, 1, 0, 0]) + graded("p2", [0, 0, 0, 1])
+    extra = {k: [line[k] for line in lines] for k in ("acc", "data_source", "problem_id", "confidence")}
+    RayPPOTrainer._write_generations([line["input"] for line in lines], [line["output"] for line in lines],
+                                     ["1"] * len(lines), [line["score"] for line in lines], extra, str(tmp_path), 2)
+    assert main(["passk", "--base", f"V0={tmp_path}", "--k", "1", "2"]) == 0
+    p1, p2 = pass_at_k(4, 2, 2), pass_at_k(4, 1, 2)
+    assert f"| GSM8K | {100 * (2 / 4 + 1 / 4) / 2:.1f} | {100 * (p1 + p2) / 2:.1f} |" in capsys.readouterr().out
+
+
 def test_ground_truth_may_be_a_string_or_a_list(tmp_path):
     path = verl_dump(tmp_path / "run", 1, [dict(line, gts=gts) for line, gts in
                                            zip(graded("p1", [1, 0]), ["12", ["12", "12.0", "\\frac{24}{2}"]])])
