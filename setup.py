@@ -17,6 +17,7 @@ setup(
         "hydra-core>=1.3",
         "datasets",
         "math-verify>=0.7",
+        "pebble>=5.1",  # the grader's math-verify helper pool: per-call timeouts, helpers survive errors
         "pandas",
         "pyarrow",
         "matplotlib>=3.8",

@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from amir_verl.reward import build_prompt, compute_score, parse_response
-from amir_verl.reward.answers import choice_letter, extract_number, is_correct
-from amir_verl.reward.template import INSTRUCTION, MAX_PARSED_CHARS
+from amir_verl.reward.answers import choice_letter, is_correct, read_number
+from amir_verl.reward.template import INSTRUCTION, MAX_RESPONSE_CHARS
 
 
 def respond(answer, confidence="0.7", think="some reasoning"):
@@ -55,52 +55,13 @@ def test_parse_response(text, answer, confidence, problem):
     assert problem in parsed.problem
 
 
-# ----------------------------------------------------------------------------- equivalence per source
-
-EQUIVALENCE = [
-    # GSM8K numeric
-    ("openai/gsm8k", "1,234", "1234", True),
-    ("openai/gsm8k", "$1,234.00", "1234", True),
-    ("openai/gsm8k", "18 dollars", "18", True),
-    ("openai/gsm8k", "The total is 18.0 eggs", "18", True),
-    ("openai/gsm8k", "3/4", "0.75", True),
-    ("openai/gsm8k", "\\boxed{72}", "72", True),
-    ("openai/gsm8k", "-5", "-5", True),
-    ("openai/gsm8k", "17", "18", False),
-    ("openai/gsm8k", "1,235", "1234", False),
-    ("openai/gsm8k", "eighteen", "18", False),
-    # math-verify sources
-    ("math-ai/aime25", "\\boxed{70}", "70", True),
-    ("math-ai/aime25", "070", "70", True),
-    ("math-ai/aime25", "71", "70", False),
-    ("math-ai/amc23", "\\frac{3}{4}", "0.75", True),
-    ("math-ai/minervamath", "\\frac{1}{2}", "0.5", True),
-    ("math-ai/minervamath", "2\\sqrt{2}", "\\sqrt{8}", True),
-    ("math-ai/minervamath", "\\sqrt{3}", "\\sqrt{2}", False),
-    ("opencompass/LiveMathBench", "[1, 2)", "[1,2)", True),
-    ("opencompass/LiveMathBench", "(1, 2)", "[1,2)", False),
-    ("opencompass/LiveMathBench", "x^2 + 2x + 1", "(x+1)^2", True),
-    ("Hothan/OlympiadBench", "3", ["2", "3"], True),
-    ("Hothan/OlympiadBench", "4", ["2", "3"], False),
-    # AQUA-RAT option letters
-    ("deepmind/aqua_rat", "C", "C", True),
-    ("deepmind/aqua_rat", "(C)", "C", True),
-    ("deepmind/aqua_rat", "C) 42 meters", "C", True),
-    ("deepmind/aqua_rat", "Option c", "C", True),
-    ("deepmind/aqua_rat", "B", "C", False),
-    ("deepmind/aqua_rat", "42", "C", False),
-]
-
-
-@pytest.mark.parametrize("source,prediction,gold,equal", EQUIVALENCE)
-def test_answer_equivalence(source, prediction, gold, equal):
-    assert is_correct(source, prediction, gold) is equal
+# ----------------------------------------------------------------------------- answers (the case table: test_grader_cases.py)
 
 
 def test_missing_answer_is_not_correct():
     assert not is_correct("openai/gsm8k", None, "3")
     assert not is_correct("math-ai/aime25", "   ", "3")
-    assert extract_number("no digits") is None and choice_letter("nothing here") is None
+    assert read_number("no digits").kind == "none" and choice_letter("nothing here") is None
 
 
 # ----------------------------------------------------------------------------- the score
@@ -159,7 +120,6 @@ def test_huge_and_deeply_nested_inputs_stay_in_time():
     for text in (
         "<answer>" * 100_000,
         respond("(" * 5000 + "1" + ")" * 5000),
-        "x" * 5_000_000 + respond("3"),
         respond("\\frac{" * 300 + "1" + "}" * 300),
         respond("9" * 5000 + "^" + "9" * 5000),
     ):
@@ -167,7 +127,39 @@ def test_huge_and_deeply_nested_inputs_stay_in_time():
         result = compute_score("math-ai/minervamath", text, "3", math_timeout_s=2)
         assert time.monotonic() - start < 10, text[:50]
         assert result["score"] >= 0
-    assert len(("x" * (MAX_PARSED_CHARS + 10))[-MAX_PARSED_CHARS:]) == MAX_PARSED_CHARS
+
+
+def test_long_responses_are_parsed_whole_up_to_the_bound():
+    """The README's rule: the last <answer> block counts, for any length up to MAX_RESPONSE_CHARS (683x the
+    recipes' 1,536-token responses); parsing is linear in the length."""
+    assert MAX_RESPONSE_CHARS >= 16 * 1536
+    long_think = respond("42", think="step " * 5_200)  # a well-formed 26k-character response
+    assert len(long_think) > 26_000
+    graded = compute_score("openai/gsm8k", long_think, ["42"])
+    assert graded["format"] == 1.0 and graded["acc"] == 1.0
+    rambling = respond("42") + " and so on" * 3_000  # a right answer, then 30k characters of repetition
+    graded = compute_score("openai/gsm8k", rambling, ["42"])
+    assert graded["acc"] == 1.0 and graded["format"] == 0.0 and "outside" in graded["format_problem"]
+
+    def parse_seconds(size: int) -> float:
+        text = respond("42", think="x" * (size - len(respond("42", think=""))))
+        assert len(text) == size
+        start = time.perf_counter()
+        parsed = parse_response(text)
+        assert parsed.format_ok and parsed.answer == "42"
+        return time.perf_counter() - start
+
+    at_bound, tenth = parse_seconds(MAX_RESPONSE_CHARS), parse_seconds(MAX_RESPONSE_CHARS // 10)
+    assert at_bound < 0.5 and at_bound < 40 * max(tenth, 1e-4)  # linear (generous for a noisy machine)
+
+
+def test_beyond_the_bound_a_response_is_not_graded():
+    text = "x" * MAX_RESPONSE_CHARS + respond("3")
+    start = time.monotonic()
+    graded = compute_score("openai/gsm8k", text, ["3"])
+    assert time.monotonic() - start < 1.0
+    assert graded["acc"] == 0.0 and graded["format"] == 0.0
+    assert graded["format_problem"] == f"response longer than {MAX_RESPONSE_CHARS} characters"
 
 
 def test_registered_in_verls_reward_loop_registry():

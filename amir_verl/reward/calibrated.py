@@ -22,18 +22,24 @@ class RewardWeights:
     w_corr: float = 1.0
     w_fmt: float = 0.1
     w_calib: float = 0.25
-    math_timeout_s: float = DEFAULT_MATH_TIMEOUT_S
+    math_timeout_s: float = DEFAULT_MATH_TIMEOUT_S  # one budget per response, however many golds it has
+    math_workers: int | None = None  # math-verify helper processes; None: verl's reward threads, at most the cores
 
     def __post_init__(self):
         for name in ("w_corr", "w_fmt", "w_calib", "math_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"reward weight {name}={value!r} must be a number >= 0")
+        if self.math_timeout_s <= 0 or self.math_timeout_s == float("inf"):
+            raise ValueError(f"math_timeout_s={self.math_timeout_s!r} must be a finite number > 0")
+        if self.math_workers is not None and (isinstance(self.math_workers, bool)
+                                              or not isinstance(self.math_workers, int) or self.math_workers < 1):
+            raise ValueError(f"math_workers={self.math_workers!r} must be an integer >= 1 (or null)")
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, w_corr: float = 1.0,
                   w_fmt: float = 0.1, w_calib: float = 0.25, math_timeout_s: float = DEFAULT_MATH_TIMEOUT_S,
-                  **kwargs) -> dict:
+                  math_workers: int | None = None, **kwargs) -> dict:
     """verl score function (``reward.custom_reward_function``); never raises on model output.
 
     Returns score, acc (r_corr), pred (the extracted answer, for verl's majority vote), format (r_fmt),
@@ -41,9 +47,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, w_co
     format_problem, confidence (q, or -1 when missing), brier ((a - q)^2; 1, the worst, when q is missing,
     matching the zero calibration credit).
     """
-    weights = RewardWeights(w_corr, w_fmt, w_calib, math_timeout_s)
+    weights = RewardWeights(w_corr, w_fmt, w_calib, math_timeout_s, math_workers)
     parsed = parse_response(solution_str)
-    acc = float(is_correct(str(data_source), parsed.answer, ground_truth, weights.math_timeout_s))
+    acc = float(is_correct(str(data_source), parsed.answer, ground_truth, weights.math_timeout_s,
+                           weights.math_workers))
     fmt = float(parsed.format_ok)
     if parsed.confidence is None:
         calibration, brier, confidence = 0.0, 1.0, -1.0

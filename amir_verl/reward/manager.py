@@ -2,7 +2,7 @@
 
 verl 0.9.1's ``NaiveRewardManager`` decodes each response and calls a score function; this manager is
 that one with :func:`amir_verl.reward.calibrated.compute_score` as the score function and its weights
-read from verl's config, ``reward.reward_kwargs.{w_corr, w_fmt, w_calib, math_timeout_s}`` (the place
+read from verl's config, ``reward.reward_kwargs.{w_corr, w_fmt, w_calib, math_timeout_s, math_workers}`` (the place
 verl's DAPO manager reads its own keys). Registered in verl's reward-loop registry on plugin load.
 """
 
@@ -37,5 +37,5 @@ class AmirCalibratedRewardManager(NaiveRewardManager):
         # verl passes its configured score function; this manager is defined by its own
         weights = weights_from_config(config)
         score = partial(calibrated_score, w_corr=weights.w_corr, w_fmt=weights.w_fmt, w_calib=weights.w_calib,
-                        math_timeout_s=weights.math_timeout_s)
+                        math_timeout_s=weights.math_timeout_s, math_workers=weights.math_workers)
         super().__init__(config, tokenizer, score, reward_router_address, reward_model_tokenizer)

@@ -27,9 +27,10 @@ INSTRUCTION = (
 )
 CHOICE_INSTRUCTION = "Answer with the letter of the correct option."
 
-# A response longer than this is not parsed further than its last MAX_PARSED_CHARS characters: the
-# three blocks of a well-formed response end it, and the bound keeps every call linear and short.
-MAX_PARSED_CHARS = 20_000
+# Responses up to this many characters are parsed whole (in time linear in their length): 683x the paper
+# recipes' max_response_length of 1,536 tokens. A longer response is not parsed at all: no answer, format 0
+# (problem "response longer than ..."), so a runaway generation can never be graded correct.
+MAX_RESPONSE_CHARS = 1 << 20
 _NUMBER = re.compile(r"\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+))\s*")
 
 
@@ -81,8 +82,8 @@ def parse_response(text: object) -> ParsedResponse:
     the layout is wrong (correctness still counts); the confidence only when it is well-formed."""
     if not isinstance(text, str):
         return ParsedResponse(None, None, False, "response is not text")
-    if len(text) > MAX_PARSED_CHARS:
-        text = text[-MAX_PARSED_CHARS:]
+    if len(text) > MAX_RESPONSE_CHARS:
+        return ParsedResponse(None, None, False, f"response longer than {MAX_RESPONSE_CHARS} characters")
     blocks = {tag: _blocks(text, tag) for tag in TAGS}
     answer = (blocks[ANSWER][-1][2].strip() or None) if blocks[ANSWER] else None
     confidence = parse_confidence(blocks[CONFIDENCE][-1][2]) if blocks[CONFIDENCE] else None
