@@ -1,19 +1,29 @@
-"""Throughput of the calibrated reward, single process: responses per second.
+"""Throughput of the calibrated reward, and what one pathological response costs the others.
 
-    python benchmarks/bench_reward.py [--n 2000]
+    python benchmarks/bench_reward.py [--n 1000] [--budget 5]
 
-Three workloads: GSM8K-style numeric answers, math-verify answers (LaTeX fractions, roots, intervals;
-each call time-bounded in the helper process), and AQUA-RAT letters. Half the responses are right,
-a quarter malformed.
+1. responses/s in one thread for three workloads: GSM8K-style numbers, math-verify answers (LaTeX
+   fractions, roots, intervals; each time-bounded in a helper process) and AQUA-RAT letters. Half the
+   responses are right, a quarter malformed.
+2. math-verify responses/s with 1 and with 2 grading threads (verl's reward loop grades from a thread
+   pool), and their ratio.
+3. Blocking: one thread grades a pathological response that uses up its whole budget while another
+   grades ordinary math-verify responses; the time those lose against grading them alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from amir_verl.reward import compute_score
+from amir_verl.reward.bounded import pool_size
+
+PATHOLOGICAL = "<think> x </think> <answer> ((9!)!)! </answer> <confidence> 0.5 </confidence>"
 
 
 def responses(kind: str, n: int, seed: int = 0) -> list[tuple[str, str, object]]:
@@ -37,21 +47,47 @@ def responses(kind: str, n: int, seed: int = 0) -> list[tuple[str, str, object]]
         text = f"<think> step {i} </think> <answer> {answer} </answer> <confidence> {rng.random():.2f} </confidence>"
         if i % 4 == 3:
             text = text.replace("</answer>", "")  # malformed
-        out.append((source, text, gold))
+        out.append((source, text, [gold]))
     return out
+
+
+def grade_all(batch, threads: int) -> float:
+    """Seconds to grade ``batch`` with ``threads`` threads (as verl's reward loop: an executor)."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as executor:
+        list(executor.map(lambda item: compute_score(*item), batch))
+    return time.perf_counter() - start
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, default=2000)
+    p.add_argument("--n", type=int, default=1000)
+    p.add_argument("--budget", type=float, default=5.0, help="math_timeout_s of the pathological response")
     args = p.parse_args()
-    compute_score("math-ai/minervamath", "<answer>1</answer>", "1")  # start the math-verify helper once
+    print(f"cores {len(os.sched_getaffinity(0))}, helpers {pool_size()}, load {os.getloadavg()[0]:.1f}")
+    grade_all(responses("math", 2 * pool_size()), pool_size())  # start every helper once
+
     for kind in ("gsm8k", "math", "aqua_rat"):
-        batch = responses(kind, args.n)
-        start = time.perf_counter()
-        correct = sum(compute_score(source, text, gold)["acc"] for source, text, gold in batch)
-        elapsed = time.perf_counter() - start
-        print(f"{kind:<9} {args.n / elapsed:10.0f} responses/s   ({args.n} in {elapsed:.2f} s, {correct:.0f} correct)")
+        elapsed = grade_all(responses(kind, args.n), 1)
+        print(f"{kind:<9} 1 thread  {args.n / elapsed:8.0f} responses/s")
+
+    math = responses("math", args.n, seed=1)
+    one, two = grade_all(math, 1), grade_all(math, 2)
+    print(f"math-verify: 1 thread {args.n / one:.0f} responses/s, 2 threads {args.n / two:.0f} responses/s, "
+          f"ratio {one / two:.2f}")
+
+    ordinary = responses("math", 200, seed=2)
+    alone = grade_all(ordinary, 1)
+    slow = threading.Thread(target=compute_score, args=("math-ai/aime25", PATHOLOGICAL, ["5"]),
+                            kwargs={"math_timeout_s": args.budget})
+    started = time.perf_counter()
+    slow.start()
+    beside = grade_all(ordinary, 1)
+    slow.join()
+    pathological = time.perf_counter() - started
+    print(f"blocking: 200 ordinary responses took {alone:.2f} s alone and {beside:.2f} s beside a pathological one "
+          f"({pathological:.2f} s, budget {args.budget:.0f} s): lost {beside - alone:+.2f} s = "
+          f"{100 * (beside - alone) / args.budget:+.1f}% of the budget")
 
 
 if __name__ == "__main__":
