@@ -12,7 +12,6 @@ import pytest
 from amir_verl.cpu.launch import (
     MainPPOFailed,
     failure_reason,
-    main_ppo_env,
     parse_metrics_line,
     parse_step_metrics,
     run_logged,
@@ -53,12 +52,6 @@ def test_run_logged_tees_every_line_and_returns_the_exit_status(tmp_path):
     assert (tmp_path / "log").read_text() == output
 
 
-def test_main_ppo_env_switches_the_backend_on_and_ignores_a_foreign_ray(monkeypatch):
-    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    env = main_ppo_env()
-    assert env["AMIR_VERL_CPU"] == "1" and "RAY_ADDRESS" not in env
-
-
 @pytest.mark.parametrize("output,expected", [
     ("...\nOSError: [Errno 98] Address already in use\n", "port"),
     ("ConnectionError: Could not find any running Ray instance. Please specify", "RAY_ADDRESS"),
@@ -92,21 +85,26 @@ def fake_run(rewards, accuracies, margin_last, lam):
     steps = {0: {"val-core/toy/acc/mean@4": accuracies[0]}}
     for step, reward in enumerate(rewards, 1):
         steps[step] = {"critic/score/mean": reward, "amir/margin": 0.0, "amir/pair_accuracy": 0.5,
-                       "amir/lambda": lam, "amir/grad_share": 0.2, "timing_s/step": 1.0}
+                       "amir/num_pairs": 4.0, "amir/lambda": lam, "amir/grad_share": 0.2, "timing_s/step": 1.0}
+    steps[1].update({"amir/num_pairs": 0.0, "amir/margin": 0.0, "amir/pair_accuracy": 0.0})  # no pairs: verl logs 0
     steps[len(rewards)]["amir/margin"] = margin_last
     steps[len(rewards)]["val-core/toy/acc/mean@4"] = accuracies[1]
     return steps
 
 
-def test_summary_rows_average_the_first_and_last_steps_and_take_the_last_step():
+def test_summary_rows_average_the_first_and_last_steps():
     rewards = [0.1 * i for i in range(12)]  # steps 1..12: 0.0 .. 1.1
     row = summary_rows({"GRPO": fake_run(rewards, [0.1, 0.4], 0.25, 0.0)})[0]
     assert row["steps"] == 12
     assert row["reward_start"] == pytest.approx(sum(rewards[:5]) / 5)  # 0.2
     assert row["reward_end"] == pytest.approx(sum(rewards[-5:]) / 5)  # 0.9
-    assert (row["val_acc_start"], row["val_acc_end"], row["margin"], row["lambda"]) == (0.1, 0.4, 0.25, 0.0)
+    assert row["margin"] == pytest.approx(0.25 / 5) and row["pair_accuracy"] == pytest.approx(0.5)
+    assert (row["val_acc_start"], row["val_acc_end"], row["lambda"]) == (0.1, 0.4, 0.0)
     table = summary_table({"GRPO": fake_run(rewards, [0.1, 0.4], 0.25, 0.0)})
-    assert "| GRPO | 12 | 0.200 -> 0.900 | 0.100 -> 0.400 | +0.250 | 0.50 | 0.000 | 0.20 |" in table
+    assert "| GRPO | 12 | 0.200 -> 0.900 | 0.100 -> 0.400 | +0.050 | 0.50 | 0.000 | 0.20 |" in table
+    # steps without pairs have no margin: 2 steps, the first without pairs -> the second's margin alone
+    short = summary_rows({"AMIR": fake_run([0.1, 0.2], [0.1, 0.2], -0.5, 0.5)})[0]
+    assert short["margin"] == -0.5 and short["pair_accuracy"] == 0.5
     assert summary_rows({"empty": {}})[0]["reward_start"] is None  # a run interrupted before its first step
 
 
@@ -114,8 +112,9 @@ def test_progress_line_is_one_line_with_the_step_numbers():
     metrics = fake_run([0.5, 0.75], [0.1, 0.3], -0.125, 0.5)
     assert validation_accuracy(metrics[1]) is None and validation_accuracy(metrics[2]) == 0.3
     line = progress_line("amir_grpo", 2, 40, metrics[2])
-    assert line == ("[amir_grpo] step  2/40  reward 0.750  val acc 0.300  margin -0.125  pairs -  lambda 0.500  1.0 s")
+    assert line == "[amir_grpo] step  2/40  reward 0.750  val acc 0.300  margin -0.125  pairs 4  lambda 0.500  1.0 s"
     assert "before training: acc 0.100" in progress_line("grpo", 0, 40, metrics[0])
+    assert "margin -  pairs 0" in progress_line("grpo", 1, 40, metrics[1])
 
 
 def test_plot_writes_a_png(tmp_path):

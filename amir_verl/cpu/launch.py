@@ -70,7 +70,8 @@ KNOWN_FAILURES = [
      "stop it or retry in a minute"),
     (re.compile(r"connect(ing)? to (an )?existing (Ray )?cluster|Could not find any running Ray instance|"
                 r"Failed to connect to GCS", re.I),
-     "Ray tried to use a Ray instance that is not this run's own: unset RAY_ADDRESS and retry"),
+     "Ray tried to join a Ray instance that is not this run's own: unset RAY_ADDRESS, or keep "
+     "+ray_kwargs.ray_init.address=local"),
     (re.compile(r"No space left on device", re.I), "the disk is full (Ray writes its session under /tmp/ray)"),
     (re.compile(r"Permission denied", re.I), "permission denied writing a file (the workdir, or /tmp/ray)"),
 ]
@@ -142,10 +143,8 @@ def run_logged(cmd: list[str], env: dict[str, str] | None = None, log_path: Path
 
 
 def main_ppo_env() -> dict[str, str]:
-    """The environment of a CPU-backend main_ppo: the switch on, and Ray started by the run itself."""
-    env = dict(os.environ, **{SWITCH: "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"})
-    env.pop("RAY_ADDRESS", None)  # else ray.init() joins that cluster, where ray_init's num_cpus/num_gpus fail
-    return env
+    """The environment of a CPU-backend main_ppo: the switch on."""
+    return dict(os.environ, **{SWITCH: "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"})
 
 
 def run_main_ppo(overrides: list[str], log_path: Path | None = None, timeout: float | None = None,

@@ -102,6 +102,9 @@ def cpu_overrides(assets: dict[str, str], workdir: Path, steps: int, n_gpus: int
         "+ray_kwargs.ray_init.num_cpus=16",  # logical: verl's workers, TransferQueue and reward actors
         f"+ray_kwargs.ray_init.num_gpus={n_gpus}",  # logical GPUs: verl's resource pools ask for them
         "+ray_kwargs.ray_init.include_dashboard=False",
+        # a Ray of this run's own: ray.init() would otherwise join the cluster named by RAY_ADDRESS or the
+        # last `ray start` on this machine, and fail there on num_cpus / num_gpus
+        "+ray_kwargs.ray_init.address=local",
         # one TransferQueue storage actor instead of 8: each is a Python process that takes seconds to start
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
     ]
@@ -115,6 +118,14 @@ RUNS = {
 }
 MARKER = ".amir_quickstart"  # in a workdir the quickstart made; holds the pid of the quickstart using it
 RUN_TIMEOUT_S = 1200
+VALIDATION_EVERY = 10  # steps; and before training
+
+
+def run_overrides(assets: dict[str, str], run_dir: Path, steps: int, seed: int, variant: list[str],
+                  extra: list[str] = ()) -> list[str]:
+    """One quickstart run's main_ppo overrides: the CPU GRPO run of the toy task validated every
+    ``VALIDATION_EVERY`` steps, then the variant's (a :data:`RUNS` entry), then the user's."""
+    return cpu_overrides(assets, run_dir, steps, test_freq=VALIDATION_EVERY, seed=seed) + variant + list(extra)
 
 
 class QuickstartError(Exception):
@@ -210,8 +221,6 @@ def main(argv: list[str] | None = None) -> int:
     except QuickstartError as error:
         print(f"[quickstart] error: {error}", file=sys.stderr)
         return 2
-    if os.environ.get("RAY_ADDRESS"):
-        print(f"[quickstart] note: ignoring RAY_ADDRESS={os.environ['RAY_ADDRESS']}: each run starts its own Ray")
 
     start = time.monotonic()
     results: dict[str, dict[int, dict[str, float]]] = {}
@@ -226,8 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         for run in runs:
             label, amir = RUNS[run]
             run_dir = workdir / run
-            overrides = cpu_overrides(assets, run_dir, args.steps, test_freq=10, seed=args.seed) + amir + list(
-                args.overrides)
+            overrides = run_overrides(assets, run_dir, args.steps, args.seed, amir, args.overrides)
             (run_dir / "command.txt").write_text(
                 "AMIR_VERL_CPU=1 python -m verl.trainer.main_ppo \\\n    " + " \\\n    ".join(overrides) + "\n")
             print(f"[{run}] {label}: starting main_ppo (Ray, workers, model); verl's output: {run_dir / 'main_ppo.log'}",

@@ -13,6 +13,7 @@ MARGIN = "amir/margin"
 PAIR_ACCURACY = "amir/pair_accuracy"
 LAMBDA = "amir/lambda"
 PREF_SHARE = "amir/grad_share"  # the default lambda rule's signal: the preference term's share of the gradient
+NUM_PAIRS = "amir/num_pairs"
 STEP_TIME = "timing_s/step"
 SUMMARY_WINDOW = 5  # the table's reward at start / end: mean over the first / last this many steps
 
@@ -21,6 +22,11 @@ def validation_accuracy(metrics: dict[str, float]) -> float | None:
     """verl's validation accuracy of a step (``val-core/<data source>/acc/mean@<n>``), None if not validated."""
     keys = sorted(k for k in metrics if k.startswith("val-core/") and "/acc/mean@" in k)
     return metrics[keys[0]] if keys else None
+
+
+def pair_metric(metrics: dict[str, float], key: str) -> float | None:
+    """An ``amir/`` pair statistic of a step, None when the step mined no pair (verl logs 0 then)."""
+    return metrics.get(key) if metrics.get(NUM_PAIRS) else None
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:
@@ -34,7 +40,7 @@ def progress_line(run: str, step: int, total_steps: int, metrics: dict[str, floa
     parts = [f"[{run}] step {step:2d}/{total_steps}", f"reward {_fmt(metrics.get(REWARD))}"]
     if validation_accuracy(metrics) is not None:
         parts.append(f"val acc {_fmt(validation_accuracy(metrics))}")
-    parts += [f"margin {_fmt(metrics.get(MARGIN), '+.3f')}", f"pairs {_fmt(metrics.get('amir/num_pairs'), '.0f')}",
+    parts += [f"margin {_fmt(pair_metric(metrics, MARGIN), '+.3f')}", f"pairs {_fmt(metrics.get(NUM_PAIRS), '.0f')}",
               f"lambda {_fmt(metrics.get(LAMBDA))}", f"{_fmt(metrics.get(STEP_TIME), '.1f')} s"]
     return "  ".join(parts)
 
@@ -51,21 +57,25 @@ def _mean(values: list[float]) -> float | None:
 
 def summary_rows(runs: dict[str, dict[int, dict[str, float]]]) -> list[dict[str, float | None | str]]:
     """One row per run: reward over the first / last ``SUMMARY_WINDOW`` steps, validation accuracy at the
-    first / last validation, and the last step's margin, pair accuracy, lambda and preference share."""
+    first / last validation, margin and pair accuracy over the last ``SUMMARY_WINDOW`` steps that mined
+    pairs (one step's value is noisy), and the last step's lambda and preference share."""
     rows = []
     for name, steps in runs.items():
-        _, rewards = _series({s: m for s, m in steps.items() if s > 0}, lambda m: m.get(REWARD))
+        train_steps = {s: m for s, m in steps.items() if s > 0}
+        _, rewards = _series(train_steps, lambda m: m.get(REWARD))
         _, accuracies = _series(steps, validation_accuracy)
-        last = steps[max(steps)] if steps else {}
+        _, margins = _series(train_steps, lambda m: pair_metric(m, MARGIN))
+        _, pair_accuracies = _series(train_steps, lambda m: pair_metric(m, PAIR_ACCURACY))
+        last = train_steps[max(train_steps)] if train_steps else {}
         rows.append({
             "run": name,
-            "steps": max((s for s in steps if s > 0), default=0),
+            "steps": max(train_steps, default=0),
             "reward_start": _mean(rewards[:SUMMARY_WINDOW]),
             "reward_end": _mean(rewards[-SUMMARY_WINDOW:]),
             "val_acc_start": accuracies[0] if accuracies else None,
             "val_acc_end": accuracies[-1] if accuracies else None,
-            "margin": last.get(MARGIN),
-            "pair_accuracy": last.get(PAIR_ACCURACY),
+            "margin": _mean(margins[-SUMMARY_WINDOW:]),
+            "pair_accuracy": _mean(pair_accuracies[-SUMMARY_WINDOW:]),
             "lambda": last.get(LAMBDA),
             "pref_share": last.get(PREF_SHARE),
         })
@@ -75,7 +85,7 @@ def summary_rows(runs: dict[str, dict[int, dict[str, float]]]) -> list[dict[str,
 def summary_table(runs: dict[str, dict[int, dict[str, float]]]) -> str:
     """The summary rows as a Markdown table (readable on the console too)."""
     header = (f"| run | steps | reward, first {SUMMARY_WINDOW} -> last {SUMMARY_WINDOW} steps | val acc, first -> last "
-              "| margin (last step) | pair acc | lambda | pref share |")
+              f"| margin, last {SUMMARY_WINDOW} | pair acc, last {SUMMARY_WINDOW} | lambda, last | pref share, last |")
     lines = [header, "|---|---|---|---|---|---|---|---|"]
     for row in summary_rows(runs):
         lines.append(
@@ -102,7 +112,7 @@ def plot_runs(runs: dict[str, dict[int, dict[str, float]]], out_path: Path, titl
         train_steps = {s: m for s, m in steps.items() if s > 0}
         reward_ax.plot(*_series(train_steps, lambda m: m.get(REWARD)), color=color, label=name)
         val_ax.plot(*_series(steps, validation_accuracy), "o-", color=color, label=name)
-        margin_ax.plot(*_series(train_steps, lambda m: m.get(MARGIN)), color=color, label=name)
+        margin_ax.plot(*_series(train_steps, lambda m: pair_metric(m, MARGIN)), color=color, label=name)
         if any(m.get(LAMBDA) for m in train_steps.values()):  # runs with a preference term
             lambda_ax.plot(*_series(train_steps, lambda m: m.get(LAMBDA)), color=color, label=f"{name}: lambda")
             share_ax.plot(*_series(train_steps, lambda m: m.get(PREF_SHARE)), "--", color=color,

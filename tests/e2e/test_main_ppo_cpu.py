@@ -10,13 +10,18 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
 from amir_verl.cpu.launch import parse_step_metrics, run_main_ppo
-from amir_verl.cpu.quickstart import amir_overrides, cpu_overrides
+from amir_verl.cpu.quickstart import amir_overrides, cpu_overrides, run_overrides
 from amir_verl.cpu.toy_task import make_assets
 
 pytestmark = pytest.mark.e2e
@@ -43,7 +48,6 @@ GSPO_FLAGS = [
     "actor_rollout_ref.actor.clip_ratio_high=4e-4",
     "actor_rollout_ref.actor.use_kl_loss=True",
 ]
-LAMBDA_ZERO = {"lambda_init": 0.0, "lambda_rule": "fixed"}
 BASE_METRICS = ["actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl",
                 "critic/score/mean", "critic/advantages/mean", "response_length/mean"]
 
@@ -54,17 +58,6 @@ def assert_same(a: dict, b: dict, keys, steps):
     for step in steps:
         for key in keys:
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-6), (step, key)
-
-
-def test_grpo_and_amir_grpo_with_lambda_zero_match_step_by_step(assets, tmp_path):
-    grpo = train(assets, tmp_path / "grpo", 3, GRPO_BASE)
-    amir = train(assets, tmp_path / "amir", 3, amir_overrides("amir_grpo", **LAMBDA_ZERO))
-    assert sorted(grpo) == sorted(amir) == [1, 2, 3]
-    assert_same(grpo, amir, BASE_METRICS, [1, 2, 3])
-    assert all(amir[s]["amir/lambda"] == 0.0 for s in (1, 2, 3))
-    # the hf rollout got the updated weights: its log-probs match the actor's after updates too
-    assert all(amir[s]["training/rollout_probs_diff_max"] < 1e-5 for s in (2, 3))
-    assert any(amir[s]["amir/num_pairs"] > 0 for s in (1, 2, 3))  # the term was there, weighted 0
 
 
 def test_amir_gspo_switch_runs_and_its_base_part_is_gspo(assets, tmp_path):
@@ -160,9 +153,11 @@ def test_bad_amir_config_fails_before_training_naming_the_fix(assets, tmp_path, 
     assert "ray init kwargs" not in log  # stopped on the driver, before Ray started
 
 
-def test_calibrated_reward_manager_runs_in_verls_reward_loop(assets, tmp_path):
+def test_calibrated_reward_manager_runs_in_verls_reward_loop(assets, tmp_path, monkeypatch):
     """reward.reward_manager.name=amir_calibrated resolves in verl's reward-loop workers (plugin loaded
-    there too) and its extra fields reach validation."""
+    there too) and its extra fields reach validation. RAY_ADDRESS names a Ray that does not exist: the
+    CPU overrides start the run's own Ray anyway."""
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")
     metrics = train(assets, tmp_path / "calibrated", 1,
                     amir_overrides("amir_grpo", reference="ref_free")
                     + ["reward.reward_manager.name=amir_calibrated", "+reward.reward_kwargs.w_fmt=0.2"],
@@ -170,3 +165,70 @@ def test_calibrated_reward_manager_runs_in_verls_reward_loop(assets, tmp_path):
     assert metrics[1]["critic/score/mean"] >= 0.0  # the toy model never writes the template: score ~0
     keys = set(metrics[1])
     assert any(k.endswith("/brier/mean@4") for k in keys) and any(k.endswith("/format/mean@4") for k in keys)
+
+
+def quickstart(workdir: Path, *args: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "amir_verl.cpu.quickstart", "--workdir", str(workdir), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def read_jsonl(path: Path) -> dict[int, dict]:
+    return {row["step"]: row for row in map(json.loads, path.read_text().splitlines())}
+
+
+def test_quickstart_trains_grpo_then_amir_and_reports_both_on_a_quiet_console(tmp_path):
+    """The demo as a newcomer runs it: exit 0, no traceback anywhere, one console line per step, both runs
+    from the same model, seeds and data order (identical step-1 rollouts), the table and the plot.
+
+    Its ``grpo`` run is the AMIR trainer with lambda fixed at 0; stock GRPO with the same overrides (no AMIR
+    keys) matches it step by step, so the demo's GRPO is GRPO and its margin is GRPO's."""
+    workdir, steps = tmp_path / "demo", 3
+    proc = quickstart(workdir, "--steps", str(steps))
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:] + out[-3000:]
+    assert err == "" and "Traceback" not in out
+    for run in ("grpo", "amir_grpo"):
+        assert "Traceback" not in (workdir / run / "main_ppo.log").read_text()  # shutdown included
+        step_lines = [line for line in out.splitlines() if line.startswith(f"[{run}] step ")]
+        assert [line.split()[2] for line in step_lines] == [f"{s}/{steps}" for s in range(steps + 1)]
+    assert len(out.splitlines()) < 30  # verl's metric dump went to the logs
+    grpo, amir = (read_jsonl(workdir / run / "metrics.jsonl") for run in ("grpo", "amir_grpo"))
+    assert grpo[1]["critic/score/mean"] == amir[1]["critic/score/mean"]
+    assert grpo[1]["response_length/mean"] == amir[1]["response_length/mean"]
+    assert all(grpo[s]["amir/lambda"] == 0.0 < amir[s]["amir/lambda"] for s in range(1, steps + 1))
+    assert any(grpo[s]["amir/num_pairs"] > 0 for s in range(1, steps + 1))  # the term was there, weighted 0
+    # the hf rollout got the updated weights: its log-probs match the actor's after updates too
+    assert all(grpo[s]["training/rollout_probs_diff_max"] < 1e-5 for s in range(2, steps + 1))
+    assert re.search(r"^\| GRPO \| 3 \| .*\n\| AMIR-GRPO \| 3 \| ", out, re.M)
+    assert (workdir / "quickstart.png").read_bytes()[:4] == b"\x89PNG"
+    assert (workdir / "summary.md").read_text().strip() in out
+
+    assets = {"model": str(workdir / "model"), "train": str(workdir / "data" / "train.parquet"),
+              "test": str(workdir / "data" / "test.parquet")}
+    stock = parse_step_metrics(run_main_ppo(run_overrides(assets, tmp_path / "stock", steps, 0, GRPO_BASE),
+                                            log_path=tmp_path / "stock.log", timeout=900))
+    assert not any(key.startswith("amir/") for key in stock[1])
+    assert_same(stock, grpo, BASE_METRICS, range(1, steps + 1))
+
+
+def test_quickstart_ctrl_c_stops_promptly_leaves_nothing_running_and_says_where_the_results_are(tmp_path):
+    workdir = tmp_path / "interrupted"
+    proc = quickstart(workdir, "--runs", "grpo", "--steps", "40")
+    for line in proc.stdout:
+        if line.startswith("[grpo] step  1/40"):
+            break
+    else:
+        pytest.fail(f"no step 1: {proc.stderr.read()[-3000:]}")
+    started = psutil.Process(proc.pid).children(recursive=True)  # main_ppo, Ray's GCS and raylet, the workers
+    assert any("verl.trainer.main_ppo" in " ".join(p.cmdline()) for p in started)
+    proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends the quickstart (main_ppo has its own session)
+    start = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    assert time.monotonic() - start < 30
+    assert proc.returncode == 130
+    assert "Traceback" not in out + err
+    assert "interrupted during grpo at step " in err and str(workdir) in err
+    assert 1 in read_jsonl(workdir / "grpo" / "metrics.jsonl")  # the partial results are where it says
+    time.sleep(2)
+    alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
