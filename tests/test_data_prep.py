@@ -1,6 +1,7 @@
 """data_prep: each source's raw schema -> parquet -> prompt -> reward, through the real scripts; the
 recipe's own file lists loaded together through verl's RLHFDataset; bad input stops with one line."""
 
+import csv
 import json
 import random
 import runpy
@@ -59,9 +60,14 @@ def respond(answer):
 
 
 def write_raw(path: Path, records: list[dict]) -> Path:
-    """Records in the file kind its suffix names (jsonl, json array, parquet), as the hub ships them."""
+    """Records in the file kind its suffix names (jsonl, json array, csv, parquet), as the hub ships them."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".parquet":
+    if path.suffix == ".csv":
+        with path.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(records[0]))
+            writer.writeheader()
+            writer.writerows(records)
+    elif path.suffix == ".parquet":
         import pyarrow as pa
 
         pq.write_table(pa.Table.from_pylist(records), path)
@@ -116,7 +122,7 @@ RAW_LAYOUT = {
     "aime25": ["test.jsonl"],
     "olympiadbench": ["OE_TO_maths_en_COMP/train-00000-of-00001.parquet"],
     "amc23": ["test.json"],
-    "minerva": ["test/part.jsonl"],
+    "minerva": ["test/part.csv"],
     "aqua_rat": ["raw/test-00000-of-00001.parquet"],
     "livemathbench": ["v202412_AMC_en/test.jsonl"],
 }
