@@ -194,6 +194,20 @@ def test_a_failing_batch_fails_its_requests_instead_of_hanging(server, monkeypat
         generate(srv, [5, 6])
 
 
+def test_a_cancelled_request_does_not_block_its_batch(server):
+    srv, _ = server
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": False}
+
+    async def scenario():
+        cancelled = asyncio.ensure_future(srv.generate([5, 6], params, "a"))
+        kept = asyncio.ensure_future(srv.generate([7, 8], params, "b"))
+        await asyncio.sleep(0)  # both queued for the same batch
+        cancelled.cancel()
+        return await asyncio.wait_for(kept, timeout=30)
+
+    assert 1 <= len(asyncio.run(scenario()).token_ids) <= 5
+
+
 def test_server_weight_sync(server):
     srv, _ = server
     state = {k: torch.zeros_like(v) for k, v in srv.model.state_dict().items()}

@@ -176,10 +176,12 @@ class HFRolloutServer:
                 results = self.sample_batch([request for request, _ in batch])
             except Exception as error:  # every waiting request gets the error, not a hang
                 for _, future in batch:
-                    future.set_exception(error)
+                    if not future.done():  # a request its caller cancelled meanwhile takes nothing
+                        future.set_exception(error)
             else:
                 for (_, future), result in zip(batch, results):
-                    future.set_result(result)
+                    if not future.done():
+                        future.set_result(result)
             await asyncio.sleep(0)  # let the answered requests return and new ones queue
 
     async def generate(self, prompt_ids, sampling_params: dict, request_id: str, image_data=None, video_data=None,
