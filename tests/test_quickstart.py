@@ -17,7 +17,7 @@ from amir_verl.cpu.launch import (
     run_logged,
 )
 from amir_verl.cpu.quickstart import MARKER, QuickstartError, main, prepare_workdir
-from amir_verl.cpu.report import plot_runs, progress_line, summary_rows, summary_table, validation_accuracy
+from amir_verl.cpu.report import moving_average, plot_runs, progress_line, summary_rows, summary_table, validation_accuracy
 
 PY = sys.executable
 
@@ -115,6 +115,10 @@ def test_progress_line_is_one_line_with_the_step_numbers():
     assert line == "[amir_grpo] step  2/40  reward 0.750  val acc 0.300  margin -0.125  pairs 4  lambda 0.500  1.0 s"
     assert "before training: acc 0.100" in progress_line("grpo", 0, 40, metrics[0])
     assert "margin -  pairs 0" in progress_line("grpo", 1, 40, metrics[1])
+
+
+def test_moving_average_of_the_last_five():
+    assert moving_average([1.0, 3.0, 5.0, 7.0, 9.0, 11.0, 13.0]) == [1.0, 2.0, 3.0, 4.0, 5.0, 7.0, 9.0]
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -51,6 +51,18 @@ def _series(steps: dict[int, dict[str, float]], value) -> tuple[list[int], list[
     return [s for s, _ in points], [v for _, v in points]
 
 
+def moving_average(values: list[float], window: int = SUMMARY_WINDOW) -> list[float]:
+    """Mean of each value and the up to ``window - 1`` before it."""
+    return [sum(values[max(0, i + 1 - window):i + 1]) / len(values[max(0, i + 1 - window):i + 1])
+            for i in range(len(values))]
+
+
+def _plot_smoothed(ax, steps: list[int], values: list[float], color: str, label: str) -> None:
+    """The per-step values thin, their moving average over ``SUMMARY_WINDOW`` steps bold."""
+    ax.plot(steps, values, color=color, alpha=0.3, lw=0.8)
+    ax.plot(steps, moving_average(values), color=color, lw=2, label=f"{label} ({SUMMARY_WINDOW}-step mean)")
+
+
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -110,9 +122,9 @@ def plot_runs(runs: dict[str, dict[int, dict[str, float]]], out_path: Path, titl
     share_ax = lambda_ax.twinx()
     for (name, steps), color in zip(runs.items(), ["tab:blue", "tab:red", "tab:green", "tab:purple"]):
         train_steps = {s: m for s, m in steps.items() if s > 0}
-        reward_ax.plot(*_series(train_steps, lambda m: m.get(REWARD)), color=color, label=name)
+        _plot_smoothed(reward_ax, *_series(train_steps, lambda m: m.get(REWARD)), color, name)
         val_ax.plot(*_series(steps, validation_accuracy), "o-", color=color, label=name)
-        margin_ax.plot(*_series(train_steps, lambda m: pair_metric(m, MARGIN)), color=color, label=name)
+        _plot_smoothed(margin_ax, *_series(train_steps, lambda m: pair_metric(m, MARGIN)), color, name)
         if any(m.get(LAMBDA) for m in train_steps.values()):  # runs with a preference term
             lambda_ax.plot(*_series(train_steps, lambda m: m.get(LAMBDA)), color=color, label=f"{name}: lambda")
             share_ax.plot(*_series(train_steps, lambda m: m.get(PREF_SHARE)), "--", color=color,
