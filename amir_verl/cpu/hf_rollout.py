@@ -8,8 +8,10 @@ into the same two registries those use:
   ``init_hybrid``, whose ``launch_servers`` starts one :class:`HFRolloutServer` Ray actor.
 - ``verl.workers.rollout.base._ROLLOUT_REGISTRY`` (``("hf", "async")`` -> :class:`HFServerAdapter`):
   each actor worker builds the adapter in ``init_model``; after every update verl's
-  ``ActorRolloutRefWorker.update_weights`` hands it the actor's full weights, which the replica's
-  leader rank sends to its server (``HFRolloutServer.update_weights``).
+  ``ActorRolloutRefWorker.update_weights`` hands it the actor's weights, which the replica's
+  leader rank sends to its server: full weights (``HFRolloutServer.update_weights``), or with LoRA
+  and ``model.lora.merge=False`` (verl's default) the adapter's tensors and PEFT config, which the
+  server applies with ``peft`` as vLLM serves a LoRA request (``HFRolloutServer.update_lora``).
 
 The server answers ``generate(prompt_ids, sampling_params, request_id, ...) -> TokenOutput`` in
 batches of the requests that are waiting (one padded decode per batch, :meth:`HFRolloutServer.sample_batch`),
@@ -64,6 +66,7 @@ class HFRolloutServer:
         self.pad_token_id = generation.pad_token_id if generation.pad_token_id is not None else (
             self.eos_token_ids[0] if self.eos_token_ids else 0
         )
+        self.peft_config: dict | None = None  # the served LoRA adapter's config, once verl sent one
         self.global_steps = None
         self.seed = int(getattr(config, "seed", 0) or 0)
         self._occurrences: dict[tuple, int] = {}
@@ -203,11 +206,42 @@ class HFRolloutServer:
             extra_fields={"global_steps": self.global_steps},
         )
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+    def update_weights(self, state_dict: dict[str, torch.Tensor], peft_config: dict | None = None) -> None:
+        """Load the actor's full weights, HF names. With ``peft_config`` (verl's LoRA base sync) the model
+        is first wrapped with that adapter config and the names are those of the base model under the
+        adapter (``...q_proj.base_layer.weight``)."""
+        if peft_config is not None:
+            self._wrap_lora(peft_config)
+        model = self.model.get_base_model() if self.peft_config is not None else self.model
+        missing, unexpected = model.load_state_dict(state_dict, strict=False)
         tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
-        if set(missing) - tied or unexpected:
-            raise RuntimeError(f"hf rollout weight sync: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
+        missing = {name for name in missing if "lora_" not in name} - tied
+        if missing or unexpected:
+            raise RuntimeError(f"hf rollout weight sync: missing {sorted(missing)}, unexpected {unexpected}")
+
+    def update_lora(self, peft_config: dict, adapter: dict[str, torch.Tensor]) -> None:
+        """Serve the actor's LoRA adapter, as vLLM serves verl's LoRA request: ``peft_config`` is the
+        actor's ``LoraConfig.to_dict()``, ``adapter`` its tensors named as ``peft.get_peft_model_state_dict``
+        names them (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``). Every call
+        replaces all adapter tensors; one missing is an error."""
+        from peft import set_peft_model_state_dict
+
+        self._wrap_lora(peft_config)
+        result = set_peft_model_state_dict(self.model, adapter)
+        expected = {name for name, _ in self.model.named_parameters() if "lora_" in name}
+        missing = sorted(name for name in result.missing_keys if name in expected)
+        if missing or result.unexpected_keys:
+            raise RuntimeError(f"hf rollout LoRA sync: missing {missing}, unexpected {result.unexpected_keys}")
+
+    def _wrap_lora(self, peft_config: dict) -> None:
+        """Wrap the model with the adapter config on the first LoRA sync (a later, different config is an error)."""
+        from peft import get_peft_config, get_peft_model
+
+        if self.peft_config is None:
+            self.model = get_peft_model(self.model, get_peft_config(dict(peft_config))).eval()
+            self.peft_config = peft_config
+        elif peft_config != self.peft_config:
+            raise RuntimeError("hf rollout LoRA sync: the adapter's config changed during the run")
 
     def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
@@ -272,20 +306,24 @@ class HFServerAdapter(BaseRollout):
     async def release(self):
         return None
 
-    async def update_weights(self, weights, wire_format: str = "named_tensors", peft_config=None,
-                             global_steps: int | None = None, **kwargs: Any):
+    async def update_weights(self, weights, wire_format: str = "named_tensors", peft_config: dict | None = None,
+                             base_sync_done: bool = True, global_steps: int | None = None, **kwargs: Any):
+        """verl's weight sync (``ActorRolloutRefWorker.update_weights``): full weights with
+        ``peft_config=None`` (no LoRA, or ``lora.merge=True``); with LoRA unmerged, the adapter's tensors
+        and ``peft_config``, preceded once, where ``rollout.load_format`` is ``dummy``, by the base
+        weights (``base_sync_done=False``), which the server loaded from the model path already and
+        takes again."""
         if wire_format != "named_tensors":
-            raise NotImplementedError(f"the hf rollout backend takes full weights, not {wire_format!r}")
-        if peft_config is not None:
-            raise NotImplementedError(
-                "the hf rollout backend needs merged weights with LoRA: set actor_rollout_ref.model.lora.merge=True"
-            )
+            raise NotImplementedError(f"the hf rollout backend takes named tensors, not {wire_format!r}")
         # Every rank drains its generator (gathering a sharded tensor is collective); the leader ships.
         state = {name: tensor.detach().to("cpu", torch.float32).clone() for name, tensor in weights}
         if not self.is_leader:
             return
         server = self._server_handle()
-        await server.update_weights.remote(state)
+        if peft_config is not None and base_sync_done:
+            await server.update_lora.remote(peft_config, state)
+        else:
+            await server.update_weights.remote(state, peft_config)
         if global_steps is not None:
             await server.set_global_steps.remote(global_steps)
 
