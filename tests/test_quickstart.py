@@ -1,6 +1,7 @@
 """The quickstart's launcher, report and bad-use answers, without main_ppo (see tests/e2e for the real runs)."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -41,6 +42,29 @@ def test_timeout_fires_while_the_child_prints_nothing_and_stops_its_whole_group(
         time.sleep(0.1)
     else:
         pytest.fail("the grandchild outlived the timeout")
+
+
+def test_ctrl_c_stops_the_child_group_even_when_pressed_twice():
+    """A launcher process runs a silent child; two SIGINTs in a row (an impatient Ctrl-C) still end with the
+    child stopped and the launcher's own KeyboardInterrupt handler reached. The child ignores SIGTERM, so
+    the second SIGINT lands while the launcher waits to SIGKILL it."""
+    child_code = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                  "print(os.getpid(), flush=True); time.sleep(120)")
+    launcher = (f"import sys\nCHILD = {child_code!r}\n"
+                "from amir_verl.cpu.launch import run_logged\n"
+                "try:\n"
+                "    run_logged([sys.executable, '-c', CHILD],\n"
+                "               on_line=lambda line: print('child', line, end='', flush=True))\n"
+                "except KeyboardInterrupt:\n"
+                "    print('interrupted', flush=True)\n")
+    proc = subprocess.Popen([PY, "-c", launcher], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline().split()[1])
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)  # the first one handled: the launcher is stopping the child
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)  # unguarded, the launcher would wait on the child for 120 s
+    assert out.strip() == "interrupted" and "Traceback" not in err
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
 
 
 def test_run_logged_tees_every_line_and_returns_the_exit_status(tmp_path):

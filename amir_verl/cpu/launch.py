@@ -7,6 +7,7 @@ a terminal's Ctrl-C reaches only the launcher, which then stops the child in ord
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -105,6 +106,19 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = GRACE_S) -> None
         return
 
 
+@contextlib.contextmanager
+def _sigint_ignored():
+    """Ignore SIGINT (Ctrl-C) inside the block, where this thread may (Python's main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_logged(cmd: list[str], env: dict[str, str] | None = None, log_path: Path | None = None,
                timeout: float | None = None, on_line: Callable[[str], None] | None = None) -> tuple[int, str]:
     """Run ``cmd`` in its own process group, teeing its output (stdout and stderr) line by line to
@@ -131,8 +145,9 @@ def run_logged(cmd: list[str], env: dict[str, str] | None = None, log_path: Path
         except subprocess.TimeoutExpired:
             stop_process_group(proc)
             raise TimeoutError(f"{' '.join(cmd[:3])} ran over {timeout:.0f} s and was stopped") from None
-        except BaseException:
-            stop_process_group(proc)
+        except BaseException:  # Ctrl-C above all: a second one must not cut the stopping short
+            with _sigint_ignored():
+                stop_process_group(proc)
             raise
         finally:
             reader.join(timeout=GRACE_S)
