@@ -127,7 +127,7 @@ def plot_runs(runs: dict[str, dict[int, dict[str, float]]], out_path: Path, titl
         _plot_smoothed(margin_ax, *_series(train_steps, lambda m: pair_metric(m, MARGIN)), color, name)
         if any(m.get(LAMBDA) for m in train_steps.values()):  # runs with a preference term
             lambda_ax.plot(*_series(train_steps, lambda m: m.get(LAMBDA)), color=color, label=f"{name}: lambda")
-            share_ax.plot(*_series(train_steps, lambda m: m.get(PREF_SHARE)), "--", color=color,
+            share_ax.plot(*_series(train_steps, lambda m: pair_metric(m, PREF_SHARE)), "--", color=color,
                           label=f"{name}: preference share")
     margin_ax.axhline(0.0, color="grey", lw=0.8)
     reward_ax.set(title="training reward (mean score of the step's rollouts)", ylabel="score")
