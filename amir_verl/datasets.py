@@ -312,10 +312,11 @@ def local_files(specs: Iterable[str | Path], splits: Sequence[str]) -> dict[str,
         else:
             found = [p for folder in folders for p in _data_files(folder) if _names_split(p, folder, split)]
         if not found:
-            where = f"--local {explicit[split]}" if split in explicit else \
-                f"--local {', '.join(map(str, folders)) or '(nothing)'}"
-            raise DataPrepError(f"{where}: no {split!r} split (no {split}.*, {split}-*.* or {split}/ data file); "
-                                f"name a file's split with --local {split}=PATH")
+            if split in explicit:
+                raise DataPrepError(f"--local {split}={explicit[split]}: no json/jsonl/parquet/csv file")
+            searched = f"{', '.join(map(str, folders))} has no {split}.*, {split}-*.* or {split}/ data file" \
+                if folders else f"names only {', '.join(explicit)}"
+            raise DataPrepError(f"--local has no {split!r} split ({searched}); give one with --local {split}=PATH")
         kinds = sorted({p.suffix for p in found})
         if len(kinds) > 1:
             raise DataPrepError(f"split {split!r} has files of several kinds ({', '.join(kinds)}): "

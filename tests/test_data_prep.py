@@ -287,6 +287,9 @@ def bad_inputs(raw: Path) -> dict:
         "folder with only test for gsm8k's train": (
             ["--local", "{raw}"], {"test.jsonl": b'{"question": "q", "answer": "#### 3"}\n'},
             ["no 'train' split", "--local train=PATH"]),
+        "gsm8k given only its test file": (
+            ["--local", "test={raw}/test.jsonl"], {"test.jsonl": b'{"question": "q", "answer": "#### 3"}\n'},
+            ["no 'train' split", "names only test"]),
         "a single file without its split": (
             ["--benchmark", "aime25", "--local", "{raw}/test.jsonl"], {"test.jsonl": GOOD_AIME.encode()},
             ["test.jsonl", "needs its split", "--local test="]),
