@@ -1,27 +1,29 @@
-"""Worker side of the verl glue: the ``amir_grpo`` / ``amir_gspo`` policy-loss modes and the actor loss.
+"""Worker side of the verl glue: the ``amir`` policy-loss modes and the actor loss.
 
 What it hooks in verl 0.9.1:
-- ``verl.trainer.ppo.core_algos.register_policy_loss``: registers ``amir_grpo`` and ``amir_gspo``, so
-  ``actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo`` passes verl's config checks and
-  ``verl.workers.utils.losses.ppo_loss`` computes the base part (``vanilla`` / ``gspo``) unchanged.
-  A registered policy loss only sees log-probs, advantages and the mask, so it cannot compute the
-  pair term itself.
+- ``verl.trainer.ppo.core_algos.register_policy_loss``: registers ``amir`` and its paper aliases
+  ``amir_grpo`` (base ``vanilla``) and ``amir_gspo`` (base ``gspo``), so that
+  ``actor_rollout_ref.actor.policy_loss.loss_mode=amir`` passes verl's config checks. These registry
+  entries are NOT the loss and refuse to run: a verl policy loss only sees log-probs, advantages and a
+  mask, so it cannot compute the pair term. The loss is :func:`amir_ppo_loss`.
 - ``ActorRolloutRefWorker.set_loss_fn`` (called by :class:`amir_verl.trainer.AmirPPOTrainer`):
-  installs :func:`amir_ppo_loss`, which calls verl's own ``ppo_loss`` and adds this micro-batch's
-  share of ``lambda * (-J_pref)`` from the per-sample fields the driver computed
-  (:mod:`amir_verl.step_batch`). No extra forward pass, no graph kept past the micro-batch.
+  installs :func:`amir_ppo_loss`, which calls verl's own ``ppo_loss`` with the base loss mode
+  (``amir.base_loss_mode``; any mode of verl's registry) and adds this micro-batch's share of
+  ``lambda * (-J_pref)`` from the per-sample fields the driver computed (:mod:`amir_verl.step_batch`).
+  No extra forward pass, no graph kept past the micro-batch.
 """
 
 from __future__ import annotations
 
-import contextvars
-from contextlib import contextmanager
+import dataclasses
 
 import torch
 from tensordict import TensorDict
 
-from verl.trainer.ppo.core_algos import get_policy_loss_fn, register_policy_loss
+from verl.trainer.ppo.core_algos import register_policy_loss
 from verl.utils import tensordict_utils as tu
+from verl.utils.metric import AggregationType, Metric
+from verl.workers.config import ActorConfig
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
@@ -30,53 +32,45 @@ from amir_verl.preference import (
     pair_log_likelihood_per_sequence,
     preference_loss_share,
 )
-from amir_verl.step_batch import EXTRA_LOSS_SCALE, FIELD_PARTNER_SCORE, FIELD_PARTNER_SIGN, FIELD_REF_SEQ_LOGP
+from amir_verl.run_config import AMIR_LOSS_MODES
+from amir_verl.step_batch import (
+    EXTRA_LAMBDA,
+    EXTRA_NUM_MINI_BATCHES,
+    EXTRA_NUM_PAIRS,
+    FIELD_PARTNER_SCORE,
+    FIELD_PARTNER_SIGN,
+    FIELD_REF_SEQ_LOGP,
+    preference_term_weight,
+)
 
-# loss mode -> the verl policy loss that computes its policy-gradient part
-BASE_LOSS_MODE = {"amir_grpo": "vanilla", "amir_gspo": "gspo"}
 AMIR_TRAINER_MODE = "amir"
-
-_inside_amir_loss = contextvars.ContextVar("inside_amir_loss", default=False)
-
-
-@contextmanager
-def _amir_loss_active():
-    token = _inside_amir_loss.set(True)
-    try:
-        yield
-    finally:
-        _inside_amir_loss.reset(token)
+# Per mini-batch, the value of the term in the loss (summed over micro-batches and ranks). verl's
+# reduce_metrics averages a key over the mini-batches, and takes the minimum when the name contains
+# "min": the two keys give the mean and the smallest share an optimizer step received.
+METRIC_PREF_TERM = "amir_pref_term"
+METRIC_PREF_TERM_MIN = "amir_pref_term_min"
 
 
-def _make_base_policy_loss(loss_mode: str):
-    base_mode = BASE_LOSS_MODE[loss_mode]
-
-    def policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-                    rollout_is_weights=None):
-        # Reached without amir_ppo_loss only when the run's trainer did not install it: without it the
-        # preference term would be silently missing, so refuse.
-        if not _inside_amir_loss.get():
-            raise RuntimeError(
-                f"policy_loss.loss_mode={loss_mode} needs the AMIR trainer, which adds the preference term: "
-                f"add trainer.v1.trainer_mode={AMIR_TRAINER_MODE} (and keep trainer.use_v1=True)"
-            )
-        return get_policy_loss_fn(base_mode)(
-            old_log_prob=old_log_prob,
-            log_prob=log_prob,
-            advantages=advantages,
-            response_mask=response_mask,
-            loss_agg_mode=loss_agg_mode,
-            config=config,
-            rollout_is_weights=rollout_is_weights,
+def _registry_guard(loss_mode: str):
+    def refuse(*args, **kwargs):
+        raise RuntimeError(
+            f"policy_loss.loss_mode={loss_mode} is computed by amir_verl.actor_loss.amir_ppo_loss, which the AMIR "
+            f"trainer installs: add trainer.v1.trainer_mode={AMIR_TRAINER_MODE} (and keep trainer.use_v1=True). "
+            "This registry entry only lets verl's config accept the mode."
         )
 
-    policy_loss.__name__ = f"compute_policy_loss_{loss_mode}"
-    policy_loss.__doc__ = f"The `{base_mode}` policy loss, reached through amir_ppo_loss (loss mode {loss_mode})."
-    return policy_loss
+    refuse.__name__ = f"amir_registry_entry_{loss_mode}"
+    refuse.__doc__ = f"Registry entry of loss mode {loss_mode}: not the loss (see amir_verl.actor_loss)."
+    return refuse
 
 
-for _mode in BASE_LOSS_MODE:
-    register_policy_loss(_mode)(_make_base_policy_loss(_mode))
+for _mode in AMIR_LOSS_MODES:
+    register_policy_loss(_mode)(_registry_guard(_mode))
+
+
+def base_actor_config(config: ActorConfig, base_loss_mode: str) -> ActorConfig:
+    """The run's actor config with ``policy_loss.loss_mode`` replaced by the base mode (a copy)."""
+    return dataclasses.replace(config, policy_loss=dataclasses.replace(config.policy_loss, loss_mode=base_loss_mode))
 
 
 def _dense(x: torch.Tensor) -> torch.Tensor:
@@ -84,23 +78,30 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
     return x.to_padded_tensor(0.0) if x.is_nested else x
 
 
-def amir_ppo_loss(config, model_output, data: TensorDict, dp_group=None, *, beta_dpo: float):
-    """verl's ``ppo_loss`` plus this micro-batch's share of ``lambda * (-J_pref)``.
+def amir_ppo_loss(config: ActorConfig, model_output, data: TensorDict, dp_group=None, *, beta_dpo: float):
+    """verl's ``ppo_loss`` with the base loss mode, plus this micro-batch's share of ``lambda * (-J_pref)``.
 
-    Same signature and return as ``verl.workers.utils.losses.ppo_loss`` (bind ``config`` and
-    ``beta_dpo`` with ``functools.partial``). ``data`` must carry the fields of
-    :mod:`amir_verl.step_batch` and the batch-level ``amir_loss_scale``; with scale 0 (lambda = 0 or
-    no pair in the step) the result is ``ppo_loss``'s, untouched.
+    Same signature and return as ``verl.workers.utils.losses.ppo_loss`` (bind ``config``, an actor
+    config whose loss mode is the BASE mode (:func:`base_actor_config`), and ``beta_dpo`` with
+    ``functools.partial``). ``data`` must carry the fields of :mod:`amir_verl.step_batch` and the
+    batch-level lambda, pair count and mini-batch count; with weight 0 (lambda = 0 or no pair in the
+    step) the result is ``ppo_loss``'s, untouched.
     """
-    with _amir_loss_active():
-        loss, metrics = ppo_loss(config, model_output, data, dp_group)
-    scale = tu.get_non_tensor_data(data=data, key=EXTRA_LOSS_SCALE, default=None)
-    if scale is None:
+    loss, metrics = ppo_loss(config, model_output, data, dp_group)
+    lambda_reg = tu.get_non_tensor_data(data=data, key=EXTRA_LAMBDA, default=None)
+    if lambda_reg is None:
         raise RuntimeError(
-            f"the actor batch has no '{EXTRA_LOSS_SCALE}': the AMIR loss was installed but the driver did not "
+            f"the actor batch has no '{EXTRA_LAMBDA}': the AMIR loss was installed but the driver did not "
             f"run the AMIR trainer's advantage step (trainer.v1.trainer_mode={AMIR_TRAINER_MODE})"
         )
-    if scale == 0:
+    dp_size = tu.get_non_tensor_data(data=data, key="dp_size", default=1)
+    weight = preference_term_weight(
+        lambda_reg,
+        num_pairs=tu.get_non_tensor_data(data=data, key=EXTRA_NUM_PAIRS, default=0),
+        num_mini_batches=tu.get_non_tensor_data(data=data, key=EXTRA_NUM_MINI_BATCHES, default=1),
+        dp_size=dp_size,
+    )
+    if weight == 0:
         return loss, metrics
 
     log_prob = no_padding_2_padding(model_output["log_probs"], data)  # (B, T) current policy
@@ -118,7 +119,9 @@ def amir_ppo_loss(config, model_output, data: TensorDict, dp_group=None, *, beta
         _dense(data[FIELD_PARTNER_SIGN]).to(policy_seq_logp.dtype),
         beta_dpo,
     )
-    # FSDP averages gradients over data-parallel ranks; scaling by dp_size makes that average a sum,
-    # as verl's agg_loss does for the policy-gradient term.
-    dp_size = tu.get_non_tensor_data(data=data, key="dp_size", default=1)
-    return loss + preference_loss_share(f, scale * dp_size), metrics
+    term = preference_loss_share(f, weight)
+    # SUM: verl averages over ranks and sums over micro-batches, which is the term's value in this
+    # optimizer step's loss (the ranks' gradients are averaged the same way).
+    for key in (METRIC_PREF_TERM, METRIC_PREF_TERM_MIN):
+        metrics[key] = Metric(value=term.detach(), aggregation=AggregationType.SUM)
+    return loss + term, metrics

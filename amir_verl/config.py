@@ -1,19 +1,33 @@
 """The ``amir`` config namespace: every AMIR hyper-parameter, its default and its check (no verl import).
 
 The defaults here are the only ones: ``recipes/config/amir_trainer.yaml`` repeats them for hydra
-(a test keeps the two equal) and the README table is generated from :func:`describe_keys`.
+and the README's key table repeats :func:`describe_keys` (tests keep both equal).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-from amir_verl.lambda_control import AdaptiveLambdaController
+from amir_verl.lambda_control import LAMBDA_RULES, LambdaController, LambdaRule
 from amir_verl.preference import PAIR_MODES
 
 REFERENCE_MODES = ("ref", "ref_free")
 CONFIG_NAMESPACE = "amir"
+
+# The keys whose null means "this rule's default". loss_ratio: the official code's constants
+# (AMIR-GRPO Train/trainer.py: lambda 0.01 in [0.005, 0.05], band 0.30-0.70). grad_share: chosen from
+# the measured share against lambda on the CPU toy task (README, "Adaptive lambda").
+RULE_KEYS = ("lambda_init", "lambda_min", "lambda_max", "target_ratio_low", "target_ratio_high")
+RULE_DEFAULTS = {
+    "grad_share": {"lambda_init": 0.5, "lambda_min": 0.05, "lambda_max": 5.0,
+                   "target_ratio_low": 0.1, "target_ratio_high": 0.3},
+    "loss_ratio": {"lambda_init": 0.01, "lambda_min": 0.005, "lambda_max": 0.05,
+                   "target_ratio_low": 0.30, "target_ratio_high": 0.70},
+    "fixed": {"lambda_init": 0.01, "lambda_min": None, "lambda_max": None,
+              "target_ratio_low": None, "target_ratio_high": None},
+}
 
 
 @dataclass(frozen=True)
@@ -38,27 +52,48 @@ class AmirConfig:
             "`ref_free`: l_ref = 0 (the official run)"
         },
     )
-    lambda_init: float = field(default=0.01, metadata={"doc": "lambda_reg at step 1"})
-    lambda_adaptive: bool = field(default=True, metadata={"doc": "adapt lambda (spec section 3); false = fixed"})
-    lambda_min: float = field(default=0.005, metadata={"doc": "lower clamp of the adaptive lambda"})
-    lambda_max: float = field(default=0.05, metadata={"doc": "upper clamp of the adaptive lambda"})
-    target_ratio_low: float = field(default=0.30, metadata={"doc": "raise lambda while rho is below this"})
-    target_ratio_high: float = field(default=0.70, metadata={"doc": "lower lambda while rho is above this"})
-    lambda_increase: float = field(default=1.25, metadata={"doc": "multiplier when rho < target_ratio_low"})
-    lambda_decrease: float = field(default=0.8, metadata={"doc": "multiplier when rho > target_ratio_high"})
-    ratio_ema_decay: float = field(default=0.9, metadata={"doc": "EMA decay of the magnitudes of L_pg and lambda * L_pref"})
+    lambda_rule: str = field(
+        default="grad_share",
+        metadata={
+            "doc": "`grad_share`: adapt lambda to the preference term's share of the log-prob gradient; "
+            "`loss_ratio`: the official code's rule on lambda * L_pref / L_pg (falls to its floor "
+            "on-policy, for reproducing the official runs); `fixed`: lambda_init throughout"
+        },
+    )
+    lambda_init: float | None = field(
+        default=None,
+        metadata={"doc": "lambda before the rule's first adjustment (fixed: throughout); null = the rule's default"},
+    )
+    lambda_min: float | None = field(default=None, metadata={"doc": "lower clamp; null = the rule's default"})
+    lambda_max: float | None = field(default=None, metadata={"doc": "upper clamp; null = the rule's default"})
+    target_ratio_low: float | None = field(
+        default=None, metadata={"doc": "raise lambda while the rule's signal is below this; null = the rule's default"}
+    )
+    target_ratio_high: float | None = field(
+        default=None, metadata={"doc": "lower lambda while the rule's signal is above this; null = the rule's default"}
+    )
+    lambda_increase: float = field(default=1.25, metadata={"doc": "multiplier when the signal < target_ratio_low"})
+    lambda_decrease: float = field(default=0.8, metadata={"doc": "multiplier when the signal > target_ratio_high"})
+    base_loss_mode: str | None = field(
+        default=None,
+        metadata={
+            "doc": "verl policy loss under `loss_mode=amir` (vanilla, gspo, cispo, sapo, gpg, dppo_tv, ...); "
+            "null with the aliases `amir_grpo` (= vanilla) and `amir_gspo` (= gspo)"
+        },
+    )
 
     def __post_init__(self) -> None:
-        def fail(key: str, why: str) -> None:
-            raise ValueError(f"{CONFIG_NAMESPACE}.{key}={getattr(self, key)!r}: {why}")
+        def fail(key: str, why: str, value: object = None) -> None:
+            shown = getattr(self, key) if value is None else value
+            raise ValueError(f"{CONFIG_NAMESPACE}.{key}={shown!r}: {why}")
 
         for key in ("beta_dpo", "delta_r", "lambda_init", "lambda_min", "lambda_max", "target_ratio_low",
-                    "target_ratio_high", "lambda_increase", "lambda_decrease", "ratio_ema_decay"):
+                    "target_ratio_high", "lambda_increase", "lambda_decrease"):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (
-                float("inf"), float("-inf")
-            ):
-                fail(key, "must be a finite number")
+            if value is None and key in RULE_KEYS:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                fail(key, "must be a finite number" + (" or null" if key in RULE_KEYS else ""))
         if self.beta_dpo <= 0:
             fail("beta_dpo", "must be > 0")
         if self.delta_r < 0:
@@ -73,23 +108,43 @@ class AmirConfig:
             fail("max_pairs_per_group", "must be a positive integer or null")
         if self.reference not in REFERENCE_MODES:
             fail("reference", f"must be one of {REFERENCE_MODES}")
-        if not isinstance(self.lambda_adaptive, bool):
-            fail("lambda_adaptive", "must be true or false")
-        if self.lambda_init < 0:
-            fail("lambda_init", "must be >= 0")
-        if self.lambda_adaptive:
-            if not 0 < self.lambda_min <= self.lambda_max:
-                fail("lambda_min", f"must satisfy 0 < lambda_min <= lambda_max ({self.lambda_max})")
-            if not self.lambda_min <= self.lambda_init <= self.lambda_max:
-                fail("lambda_init", f"must lie in [lambda_min, lambda_max] = [{self.lambda_min}, {self.lambda_max}]")
-            if not 0 <= self.target_ratio_low < self.target_ratio_high <= 1:
-                fail("target_ratio_low", f"must satisfy 0 <= low < high ({self.target_ratio_high}) <= 1")
-            if self.lambda_increase <= 1:
-                fail("lambda_increase", "must be > 1")
-            if not 0 < self.lambda_decrease < 1:
-                fail("lambda_decrease", "must be in (0, 1)")
-            if not 0 <= self.ratio_ema_decay < 1:
-                fail("ratio_ema_decay", "must be in [0, 1)")
+        if self.base_loss_mode is not None and not isinstance(self.base_loss_mode, str):
+            fail("base_loss_mode", "must be the name of a verl policy loss or null")
+        if self.lambda_rule not in LAMBDA_RULES:
+            fail("lambda_rule", f"must be one of {LAMBDA_RULES}")
+        rule = self.lambda_settings()
+        if rule.lambda_init < 0:
+            fail("lambda_init", "must be >= 0", rule.lambda_init)
+        if rule.rule == "fixed":
+            return
+        if not 0 < rule.lambda_min <= rule.lambda_max:
+            fail("lambda_min", f"must satisfy 0 < lambda_min <= lambda_max ({rule.lambda_max})", rule.lambda_min)
+        if not rule.lambda_min <= rule.lambda_init <= rule.lambda_max:
+            fail("lambda_init", f"must lie in [lambda_min, lambda_max] = [{rule.lambda_min}, {rule.lambda_max}]",
+                 rule.lambda_init)
+        if not 0 <= rule.target_low < rule.target_high:
+            fail("target_ratio_low", f"must satisfy 0 <= low < high ({rule.target_high})", rule.target_low)
+        if rule.rule == "grad_share" and rule.target_high > 1:
+            fail("target_ratio_high", "a gradient share is at most 1", rule.target_high)
+        if self.lambda_increase <= 1:
+            fail("lambda_increase", "must be > 1")
+        if not 0 < self.lambda_decrease < 1:
+            fail("lambda_decrease", "must be in (0, 1)")
+
+    def lambda_settings(self) -> LambdaRule:
+        """The lambda rule with every null key replaced by the rule's default (:data:`RULE_DEFAULTS`)."""
+        defaults = RULE_DEFAULTS[self.lambda_rule]
+        value = {key: defaults[key] if getattr(self, key) is None else getattr(self, key) for key in RULE_KEYS}
+        return LambdaRule(
+            rule=self.lambda_rule,
+            lambda_init=value["lambda_init"],
+            lambda_min=value["lambda_min"],
+            lambda_max=value["lambda_max"],
+            target_low=value["target_ratio_low"],
+            target_high=value["target_ratio_high"],
+            increase=self.lambda_increase,
+            decrease=self.lambda_decrease,
+        )
 
     @classmethod
     def from_mapping(cls, values: Mapping | None) -> AmirConfig:
@@ -104,7 +159,7 @@ class AmirConfig:
             )
         # Hydra parses `1` as int; accept ints for float keys, reject strings with the key in the message.
         for f in fields(cls):
-            if f.name in values and f.type == "float" and isinstance(values[f.name], int) and not isinstance(
+            if f.name in values and f.type.startswith("float") and isinstance(values[f.name], int) and not isinstance(
                 values[f.name], bool
             ):
                 values[f.name] = float(values[f.name])
@@ -114,18 +169,8 @@ class AmirConfig:
     def reference_free(self) -> bool:
         return self.reference == "ref_free"
 
-    def make_lambda_controller(self) -> AdaptiveLambdaController:
-        return AdaptiveLambdaController(
-            lambda_init=self.lambda_init,
-            adaptive=self.lambda_adaptive,
-            lambda_min=self.lambda_min,
-            lambda_max=self.lambda_max,
-            target_low=self.target_ratio_low,
-            target_high=self.target_ratio_high,
-            increase_factor=self.lambda_increase,
-            decrease_factor=self.lambda_decrease,
-            ema_decay=self.ratio_ema_decay,
-        )
+    def make_lambda_controller(self) -> LambdaController:
+        return LambdaController(self.lambda_settings())
 
 
 def describe_keys() -> list[tuple[str, object, str]]:

@@ -15,7 +15,41 @@ from verl.trainer.ppo.utils import need_reference_policy
 from amir_verl.config import CONFIG_NAMESPACE, AmirConfig
 
 LOSS_MODE_KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
-AMIR_LOSS_MODES = ("amir_grpo", "amir_gspo")
+AMIR_LOSS_MODE = "amir"
+PAPER_ALIASES = {"amir_grpo": "vanilla", "amir_gspo": "gspo"}  # the paper's names: amir on a fixed base
+AMIR_LOSS_MODES = (AMIR_LOSS_MODE, *PAPER_ALIASES)
+# verl switches loss_mode to bypass_mode itself (algorithm.rollout_correction.bypass_mode), replacing
+# any other mode, so it cannot sit under AMIR.
+UNSUPPORTED_BASE_MODES = ("bypass_mode",)
+
+
+def resolve_base_loss_mode(loss_mode: str, amir: AmirConfig) -> str:
+    """The verl policy loss that computes the policy-gradient part of an AMIR loss mode.
+
+    ``amir`` takes ``amir.base_loss_mode`` (required); the paper aliases fix it (a different
+    ``amir.base_loss_mode`` is refused). The base must be in verl's policy-loss registry and not an
+    AMIR mode or a mode AMIR cannot sit on; ``ValueError`` names the key otherwise.
+    """
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    key = f"{CONFIG_NAMESPACE}.base_loss_mode"
+    if loss_mode in PAPER_ALIASES:
+        base = PAPER_ALIASES[loss_mode]
+        if amir.base_loss_mode not in (None, base):
+            raise ValueError(
+                f"{LOSS_MODE_KEY}={loss_mode} is AMIR on `{base}`, but {key}={amir.base_loss_mode!r}: use "
+                f"{LOSS_MODE_KEY}={AMIR_LOSS_MODE} to put AMIR on another base loss"
+            )
+        return base
+    if amir.base_loss_mode is None:
+        raise ValueError(f"{LOSS_MODE_KEY}={AMIR_LOSS_MODE} needs the base policy loss: add +{key}=<verl loss mode>, "
+                         "e.g. vanilla (GRPO, DAPO, Dr.GRPO), gspo, cispo, sapo, gpg")
+    base = amir.base_loss_mode
+    supported = sorted(m for m in POLICY_LOSS_REGISTRY if m not in AMIR_LOSS_MODES + UNSUPPORTED_BASE_MODES)
+    if base in AMIR_LOSS_MODES or base in UNSUPPORTED_BASE_MODES or base not in POLICY_LOSS_REGISTRY:
+        why = "is not in verl's policy-loss registry" if base not in POLICY_LOSS_REGISTRY else "cannot be AMIR's base"
+        raise ValueError(f"{key}={base!r} {why}; supported base losses: {', '.join(supported)}")
+    return base
 
 
 def validate_amir_run(config: DictConfig) -> AmirConfig:
@@ -23,10 +57,15 @@ def validate_amir_run(config: DictConfig) -> AmirConfig:
     loss_mode = config.actor_rollout_ref.actor.policy_loss.get("loss_mode", "vanilla")
     if loss_mode not in AMIR_LOSS_MODES:
         raise ValueError(
-            f"the AMIR trainer needs {LOSS_MODE_KEY} in {AMIR_LOSS_MODES} (amir_grpo on GRPO's `vanilla` loss, "
-            f"amir_gspo on `gspo`), got {loss_mode!r}"
+            f"the AMIR trainer needs {LOSS_MODE_KEY} in {AMIR_LOSS_MODES} (`amir` with "
+            f"+{CONFIG_NAMESPACE}.base_loss_mode, or the paper's amir_grpo / amir_gspo), got {loss_mode!r}"
         )
     amir = AmirConfig.from_mapping(config.get(CONFIG_NAMESPACE))
+    resolve_base_loss_mode(loss_mode, amir)
+    rollout_correction = config.get("algorithm", {}).get("rollout_correction", None)
+    if rollout_correction is not None and rollout_correction.get("bypass_mode", False):
+        raise ValueError("AMIR does not combine with algorithm.rollout_correction.bypass_mode=True: verl then "
+                         f"replaces {LOSS_MODE_KEY} with its own bypass_mode loss")
     if not amir.reference_free and not need_reference_policy(config):
         raise ValueError(
             f"{CONFIG_NAMESPACE}.reference=ref needs reference log-probs, which this run does not compute: add "

@@ -8,13 +8,14 @@ however verl later splits the batch across ranks and micro-batches.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from amir_verl.config import AmirConfig
+from amir_verl.lambda_control import StepSignal
 from amir_verl.preference import (
     PreferencePairs,
     PreferenceStats,
@@ -22,6 +23,7 @@ from amir_verl.preference import (
     dpo_logits,
     length_normalised_log_probs,
     mine_preference_pairs,
+    pair_log_likelihood_per_sequence,
     partner_table,
     summarise_preference_pairs,
 )
@@ -30,20 +32,25 @@ from amir_verl.preference import (
 FIELD_REF_SEQ_LOGP = "amir_ref_seq_logp"
 FIELD_PARTNER_SCORE = "amir_partner_score"
 FIELD_PARTNER_SIGN = "amir_partner_sign"
-# Batch-level value (verl ``extra_info``): the weight of the whole preference term, see ``loss_scale``.
-EXTRA_LOSS_SCALE = "amir_loss_scale"
+# Batch-level values (verl ``extra_info``) from which the worker computes the term's weight
+# (:func:`preference_term_weight`): lambda of this step, pairs of the step, mini-batches per epoch.
+EXTRA_LAMBDA = "amir_lambda"
+EXTRA_NUM_PAIRS = "amir_num_pairs"
+EXTRA_NUM_MINI_BATCHES = "amir_num_mini_batches"
 
 
 @dataclass(frozen=True)
 class StepFields:
     """Per-sequence AMIR inputs of one step batch of N sequences.
 
+    old_seq_logp: (N,) l_old, the length-normalised log-probability the update starts from.
     ref_seq_logp: (N,) l_ref (zeros when reference-free).
     partner_score: (N, W) frozen partner scores l_old - l_ref; W >= 1.
     partner_sign: (N, W) +1 / -1 / 0 (see :func:`amir_verl.preference.partner_table`).
     stats: the step's ``amir/*`` statistics at the policy that generated the batch.
     """
 
+    old_seq_logp: torch.Tensor
     ref_seq_logp: torch.Tensor
     partner_score: torch.Tensor
     partner_sign: torch.Tensor
@@ -156,19 +163,87 @@ def compute_step_fields(
     if partner_score.shape[1] == 0:  # keep one (unused) column: a zero-width field is a needless corner case
         partner_score = torch.zeros(n, 1, dtype=l_old.dtype)
         partner_sign = torch.zeros(n, 1, dtype=l_old.dtype)
-    return StepFields(l_ref, partner_score, partner_sign, stats)
+    return StepFields(l_old, l_ref, partner_score, partner_sign, stats)
 
 
-def loss_scale(lambda_reg: float, num_pairs: int, num_sequences: int, mini_batch_sequences: int) -> float:
-    """Weight of the summed pair log-likelihoods in each optimizer step's loss.
+def preference_term_weight(lambda_reg: float, num_pairs: int, num_mini_batches: int, dp_size: int) -> float:
+    """The weight w of the preference term in a micro-batch's loss: w = lambda * M * dp / P.
 
-    ``lambda / P`` makes one update over the whole batch minimise ``lambda * (-J_pref)``. verl takes
-    one optimizer step per mini-batch and normalises the policy-gradient term per mini-batch, so with
-    M = N / mini_batch_sequences mini-batches the term is multiplied by M: each step then weighs it
-    against the policy gradient exactly as a single full-batch step would. 0 when there is no pair.
+    Each micro-batch adds ``-w * (sum_k f_k - sum_k f_k.detach() / 2)`` over its sequences k
+    (:func:`amir_verl.preference.preference_loss_share`), f_k the sum of log sigmoid(z) over the pairs
+    of k with k's own score live and its partners' frozen. Why each factor:
+
+    - 1 / P: the whole-batch term is lambda * (-J_pref) = -(lambda / P) * sum_pairs log sigmoid(z).
+      Summed over every sequence of the batch, the f_k count each pair twice in value, and their
+      gradients add up to exactly the gradient of the pair sum (a pair's derivative splits into the
+      part through its preferred and the part through its rejected member), hence the half-detached
+      sum above.
+    - M, the number of mini-batches (optimizer steps per epoch): verl normalises the policy-gradient
+      loss per mini-batch (``global_batch_size`` and ``batch_num_tokens`` are the mini-batch's), while a
+      mini-batch holds about 1/M of the pairs' sequences; weighting by M makes every optimizer step
+      balance the term against the policy gradient as a single full-batch step would. M = 1 gives the
+      exact gradient of ``pg_loss + lambda * (-J_pref)`` over the whole batch.
+    - dp, the data-parallel size: FSDP averages gradients over ranks; multiplying by dp turns that
+      average into a sum, as verl's ``agg_loss`` does for the policy-gradient term.
+
+    0 when there is no pair or lambda is 0 (the loss is then verl's base loss, untouched).
     """
     if num_pairs == 0 or lambda_reg == 0:
         return 0.0
-    if num_sequences % mini_batch_sequences:
+    return lambda_reg * num_mini_batches * dp_size / num_pairs
+
+
+def num_mini_batches(num_sequences: int, mini_batch_sequences: int) -> int:
+    """M = N / mini-batch size; verl's V1 actor splits the step batch into equal mini-batches."""
+    if mini_batch_sequences <= 0 or num_sequences % mini_batch_sequences:
         raise ValueError(f"step batch of {num_sequences} is not a multiple of the mini-batch {mini_batch_sequences}")
-    return lambda_reg * (num_sequences // mini_batch_sequences) / num_pairs
+    return num_sequences // mini_batch_sequences
+
+
+def gradient_signal(
+    policy_loss_fn: Callable[..., tuple[torch.Tensor, dict]],
+    step: StepFields,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    beta_dpo: float,
+) -> StepSignal:
+    """Both terms at the start of the update, measured on the driver without a model.
+
+    Args:
+        policy_loss_fn: verl's registered base policy loss, called as verl's ``ppo_loss`` calls it
+            (``old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+            rollout_is_weights``) with everything but ``log_prob`` bound by the caller.
+        step: the step's AMIR fields (:func:`compute_step_fields`).
+        old_log_probs, advantages, response_mask: (N, T) the whole step batch.
+        beta_dpo: beta of the DPO logit.
+
+    The policy loss is evaluated at log_prob = old_log_probs (a leaf requiring grad) and differentiated
+    by autograd, so the gradient is exact for any registered loss and aggregation. The preference
+    gradient is analytic: -J_pref depends on token t of sequence k only through l_k, so
+    d(-J_pref)/dlogp_kt = -(1/P) dF/ds_k / |o_k| with F the sum of the f_k of
+    :func:`amir_verl.preference.pair_log_likelihood_per_sequence`, and its squared L2 norm over the
+    tokens is (1/P^2) sum_k (dF/ds_k)^2 / |o_k|.
+    """
+    mask = response_mask.bool()
+    log_prob = old_log_probs.detach().clone().requires_grad_(True)
+    pg_loss, _ = policy_loss_fn(old_log_prob=old_log_probs, log_prob=log_prob, advantages=advantages,
+                                response_mask=mask)
+    (pg_grad,) = torch.autograd.grad(pg_loss, log_prob, allow_unused=True)
+    pg_grad_norm = 0.0 if pg_grad is None else float(torch.linalg.vector_norm(pg_grad * mask))
+
+    pref_grad_norm = 0.0
+    if step.num_pairs:
+        own = (step.old_seq_logp - step.ref_seq_logp).detach().requires_grad_(True)
+        f = pair_log_likelihood_per_sequence(own, torch.zeros_like(own), step.partner_score.to(own.dtype),
+                                             step.partner_sign.to(own.dtype), beta_dpo)
+        (d_own,) = torch.autograd.grad(f.sum(), own)
+        lengths = mask.sum(dim=-1).clamp(min=1).to(d_own.dtype)
+        pref_grad_norm = float(torch.sqrt((d_own.square() / lengths).sum())) / step.num_pairs
+    return StepSignal(
+        pg_loss=float(pg_loss.detach()),
+        pref_loss=step.stats.pref_loss,
+        pg_grad_norm=pg_grad_norm,
+        pref_grad_norm_per_lambda=pref_grad_norm,
+        num_pairs=step.num_pairs,
+    )

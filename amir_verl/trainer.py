@@ -6,9 +6,10 @@
 - ``__init__``: validates the AMIR config before any worker or model starts.
 - ``on_init_end``: installs :func:`amir_verl.actor_loss.amir_ppo_loss` on the actor workers
   (``ActorRolloutRefWorker.set_loss_fn``).
-- ``_compute_advantage``: after verl's advantages, mines the step's pairs over the whole batch and
-  stores each sequence's AMIR fields in TransferQueue beside ``advantages``; logs ``amir/*``.
-- ``_update_actor``: after the update, feeds the step's losses to the lambda controller.
+- ``_compute_advantage``: after verl's advantages, mines the step's pairs over the whole batch,
+  measures both terms' gradients at the start of the update (verl's registered base policy loss,
+  differentiated on the driver), lets the lambda controller pick this step's lambda, and stores each
+  sequence's AMIR fields in TransferQueue beside ``advantages``; logs ``amir/*``.
 - ``_save_checkpoint`` / ``_load_checkpoint``: the controller's state travels with verl's checkpoint.
 
 The upstream sources of these methods are pinned by ``tests/test_verl_seams.py``.
@@ -16,31 +17,35 @@ The upstream sources of these methods are pinned by ``tests/test_verl_seams.py``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 from functools import partial
 
-import numpy as np
 import transfer_queue as tq
 from omegaconf import DictConfig
 from tensordict import TensorDict
 
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 from verl.utils.config import omega_conf_to_dataclass
 
-from amir_verl.actor_loss import AMIR_TRAINER_MODE, amir_ppo_loss
-from amir_verl.lambda_control import AdaptiveLambdaController
-from amir_verl.run_config import validate_amir_run
+from amir_verl.actor_loss import AMIR_TRAINER_MODE, amir_ppo_loss, base_actor_config
+from amir_verl.lambda_control import LambdaController
+from amir_verl.run_config import resolve_base_loss_mode, validate_amir_run
 from amir_verl.step_batch import (
-    EXTRA_LOSS_SCALE,
+    EXTRA_LAMBDA,
+    EXTRA_NUM_MINI_BATCHES,
+    EXTRA_NUM_PAIRS,
     FIELD_PARTNER_SCORE,
     FIELD_PARTNER_SIGN,
     FIELD_REF_SEQ_LOGP,
     compute_step_fields,
-    loss_scale,
+    gradient_signal,
+    num_mini_batches,
 )
 
 logger = logging.getLogger(__name__)
@@ -48,21 +53,56 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "amir_state.json"
 
 
-def make_amir_loss_fn(config: DictConfig):
-    """The actor loss for ``set_loss_fn``: verl's ``ppo_loss`` on the worker's ActorConfig, plus AMIR."""
+def run_base_actor_config(config: DictConfig):
+    """The run's actor config as verl's dataclass, with the AMIR loss mode replaced by its base mode."""
     amir = validate_amir_run(config)
-    actor_config = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    base_mode = resolve_base_loss_mode(config.actor_rollout_ref.actor.policy_loss.loss_mode, amir)
+    return amir, base_actor_config(omega_conf_to_dataclass(config.actor_rollout_ref.actor), base_mode)
+
+
+def make_amir_loss_fn(config: DictConfig):
+    """The actor loss for ``set_loss_fn``: verl's ``ppo_loss`` with the base loss mode, plus AMIR."""
+    amir, actor_config = run_base_actor_config(config)
     return partial(amir_ppo_loss, config=actor_config, beta_dpo=amir.beta_dpo)
 
 
-def write_amir_state(folder: str, global_steps: int, controller: AdaptiveLambdaController) -> None:
+def whole_batch_policy_loss(actor_config, num_sequences: int, num_tokens: int):
+    """verl's registered base policy loss over a whole step batch as one piece (dp 1, one mini-batch).
+
+    Returns a callable of ``old_log_prob, log_prob, advantages, response_mask`` for
+    :func:`amir_verl.step_batch.gradient_signal`; ``actor_config`` carries the base loss mode.
+    """
+    whole = dataclasses.replace(actor_config, global_batch_info={
+        "dp_size": 1, "batch_num_tokens": num_tokens, "global_batch_size": num_sequences,
+        "loss_scale_factor": actor_config.loss_scale_factor,
+    })
+    return partial(get_policy_loss_fn(whole.policy_loss.loss_mode), loss_agg_mode=whole.loss_agg_mode, config=whole,
+                   rollout_is_weights=None)
+
+
+def describe_update_semantics(config: DictConfig) -> str | None:
+    """One line on how the term behaves with several mini-batches or epochs; None for one of each."""
+    actor = config.actor_rollout_ref.actor
+    mini_batches = config.data.train_batch_size // actor.ppo_mini_batch_size
+    epochs = actor.get("ppo_epochs", 1)
+    if mini_batches == 1 and epochs == 1:
+        return None
+    return (
+        f"AMIR: {mini_batches} mini-batch(es) x {epochs} epoch(s) per step: each sequence's pair terms use its "
+        "current log-prob against its partners' log-probs frozen at the start of the update (like the "
+        "advantages); the term is exact only for the first optimizer step. Each step weighs it by the number "
+        "of mini-batches (README, 'Mini-batches and epochs')."
+    )
+
+
+def write_amir_state(folder: str, global_steps: int, controller: LambdaController) -> None:
     """Save the lambda controller into a verl ``global_step_N`` checkpoint folder."""
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, STATE_FILE), "w") as f:
         json.dump({"global_steps": global_steps, "lambda_controller": controller.state_dict()}, f)
 
 
-def read_amir_state(folder: str, controller: AdaptiveLambdaController) -> bool:
+def read_amir_state(folder: str, controller: LambdaController) -> bool:
     """Restore the controller from ``folder``; False when the checkpoint has no AMIR state."""
     path = os.path.join(folder, STATE_FILE)
     if not os.path.exists(path):
@@ -73,14 +113,27 @@ def read_amir_state(folder: str, controller: AdaptiveLambdaController) -> bool:
     return True
 
 
+def lambda_metrics(signal, lambda_reg: float) -> dict[str, float]:
+    """``amir/*`` of the controller, all at the lambda this step's update uses."""
+    return {
+        "amir/lambda": lambda_reg,
+        "amir/grad_share": signal.grad_share(lambda_reg),
+        "amir/pg_grad_norm": signal.pg_grad_norm,
+        "amir/pref_grad_norm": lambda_reg * signal.pref_grad_norm_per_lambda,
+        "amir/loss_ratio": signal.loss_ratio(lambda_reg),
+    }
+
+
 @register_trainer(AMIR_TRAINER_MODE)
 class AmirPPOTrainer(PPOTrainerSync):
     """verl's synchronous V1 trainer plus AMIR's preference term (see the module docstring)."""
 
     def __init__(self, config: DictConfig):
-        self.amir = validate_amir_run(config)
+        self.amir, self.base_actor_config = run_base_actor_config(config)
         self.lambda_controller = self.amir.make_lambda_controller()
-        self._pending_pref = None  # (pref_loss, num_pairs) of the step in flight
+        semantics = describe_update_semantics(config)
+        if semantics:
+            logger.warning(semantics)
         super().__init__(config)
 
     # verl 0.9.1 tests ``trainer_mode == "sync"`` in _build_replay_buffer, _init_dataloader,
@@ -102,7 +155,7 @@ class AmirPPOTrainer(PPOTrainerSync):
 
     def _compute_advantage(self, batch, metrics: dict):
         batch = super()._compute_advantage(batch, metrics)
-        fields = ["uid", "response_mask", "rm_scores", "old_log_probs"]
+        fields = ["uid", "response_mask", "rm_scores", "old_log_probs", "advantages"]
         if not self.amir.reference_free:
             fields.append("ref_log_prob")
         if self.config.algorithm.use_kl_in_reward:
@@ -113,16 +166,26 @@ class AmirPPOTrainer(PPOTrainerSync):
         padded = data.to_padded_tensor()
         uids = [str(u) for u in padded.pop("uid").tolist()]  # as PPOTrainer._compute_advantage reads it
         rewards = padded["token_level_rewards" if self.config.algorithm.use_kl_in_reward else "rm_scores"]
+        response_mask = padded["response_mask"]
         step = compute_step_fields(
             self.amir,
             sequence_rewards=rewards.float().sum(dim=-1),
             uids=uids,
-            response_mask=padded["response_mask"],
+            response_mask=response_mask,
             old_log_probs=padded["old_log_probs"],
             ref_log_probs=padded["ref_log_prob"] if not self.amir.reference_free else None,
             sample_keys=list(batch.keys),
             is_padding=[bool(tag.get("is_padding", False)) for tag in batch.tags],
         )
+        signal = gradient_signal(
+            whole_batch_policy_loss(self.base_actor_config, len(batch), int(response_mask.sum())),
+            step,
+            old_log_probs=padded["old_log_probs"].float(),
+            advantages=padded["advantages"].float(),
+            response_mask=response_mask,
+            beta_dpo=self.amir.beta_dpo,
+        )
+        lambda_reg = self.lambda_controller.step(signal)
         # The workers fetch exactly the fields the returned meta lists (verl's tqbridge), so keep it.
         stored = tq.kv_batch_put(
             keys=batch.keys,
@@ -139,22 +202,11 @@ class AmirPPOTrainer(PPOTrainerSync):
         stored.extra_info = {**batch.extra_info, **(stored.extra_info or {})}
         batch = stored
         mini_batch = self.config.actor_rollout_ref.actor.ppo_mini_batch_size * self.config.actor_rollout_ref.rollout.n
-        lambda_reg = self.lambda_controller.value
-        batch.extra_info[EXTRA_LOSS_SCALE] = loss_scale(lambda_reg, step.num_pairs, len(batch), mini_batch)
+        batch.extra_info[EXTRA_LAMBDA] = lambda_reg
+        batch.extra_info[EXTRA_NUM_PAIRS] = step.num_pairs
+        batch.extra_info[EXTRA_NUM_MINI_BATCHES] = num_mini_batches(len(batch), mini_batch)
         metrics.update(step.stats.as_metrics())
-        metrics["amir/lambda"] = lambda_reg
-        self._pending_pref = (step.stats.pref_loss, step.num_pairs)
-        return batch
-
-    def _update_actor(self, batch, metrics: dict):
-        batch = super()._update_actor(batch, metrics)
-        pref_loss, num_pairs = self._pending_pref
-        pg_loss = metrics.get("actor/pg_loss")
-        if pg_loss is None:
-            raise RuntimeError("verl reported no actor/pg_loss; the lambda controller needs it")
-        self.lambda_controller.update(float(np.mean(pg_loss)), pref_loss, num_pairs)
-        if self.lambda_controller.last_ratio is not None:
-            metrics["amir/pref_ratio"] = self.lambda_controller.last_ratio
+        metrics.update(lambda_metrics(signal, lambda_reg))
         return batch
 
     def _save_checkpoint(self):

@@ -5,6 +5,8 @@
    mode (`vanilla` / `gspo`) and AMIR alternating; prints median times, their ratio, forward passes,
    the peak bytes the autograd graph holds, and (in child processes) the peak RSS of each mode.
 2. The driver's per-step work for 8,192 groups of 8: pair mining and the per-sequence fields.
+3. The driver's gradient signal for the lambda rule (issue 9) on 1,024 groups of 8 with 2,048-token
+   responses (16.8 M tokens): both gradients at log_prob = old_log_prob, verl's base loss by autograd.
 
     python benchmarks/bench_actor_update.py [--device cuda --dtype bfloat16 --hidden 896 --layers 24]
 """
@@ -32,7 +34,14 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from amir_verl.actor_loss import amir_ppo_loss  # noqa: E402
 from amir_verl.config import AmirConfig  # noqa: E402
 from amir_verl.preference import dpo_logits, length_normalised_log_probs, mine_preference_pairs, partner_table  # noqa: E402
-from amir_verl.step_batch import compute_step_fields, loss_scale  # noqa: E402
+from amir_verl.step_batch import (  # noqa: E402
+    EXTRA_LAMBDA,
+    EXTRA_NUM_MINI_BATCHES,
+    EXTRA_NUM_PAIRS,
+    compute_step_fields,
+    gradient_signal,
+)
+from amir_verl.trainer import whole_batch_policy_loss  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.engine.utils import prepare_micro_batches  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
@@ -121,7 +130,8 @@ def make_batch(args, model):
     tokens = int(sum(len(r) for r in responses))
     tu.assign_non_tensor(
         td, dp_size=1, batch_num_tokens=tokens, global_batch_size=n, use_dynamic_bsz=False,
-        micro_batch_size_per_gpu=args.micro_batch, amir_loss_scale=loss_scale(0.05, fields.num_pairs, n, n),
+        micro_batch_size_per_gpu=args.micro_batch,
+        **{EXTRA_LAMBDA: 0.05, EXTRA_NUM_PAIRS: fields.num_pairs, EXTRA_NUM_MINI_BATCHES: 1},
     )
     return td, fields.num_pairs, tokens
 
@@ -158,10 +168,10 @@ class SavedBytes:
 
 def loss_functions(args):
     base_mode, agg = ("gspo", "seq-mean-token-mean") if args.gspo else ("vanilla", "token-mean")
-    amir_mode = "amir_gspo" if args.gspo else "amir_grpo"
+    config = actor_config(base_mode, agg, micro=args.micro_batch)
     return {
-        "base": partial(ppo_loss, config=actor_config(base_mode, agg, micro=args.micro_batch)),
-        "amir": partial(amir_ppo_loss, config=actor_config(amir_mode, agg, micro=args.micro_batch), beta_dpo=0.2),
+        "base": partial(ppo_loss, config=config),
+        "amir": partial(amir_ppo_loss, config=config, beta_dpo=0.2),
     }
 
 
@@ -264,6 +274,36 @@ def bench_mining(num_groups=8192, group_size=8, response_len=16, reps=7):
     return result
 
 
+def bench_grad_signal(num_groups=1024, group_size=8, response_len=2048, reps=5):
+    """Median seconds of :func:`gradient_signal` (and of the step fields before it) per base mode."""
+    gen = torch.Generator().manual_seed(0)
+    n = num_groups * group_size
+    rewards = (torch.rand(n, generator=gen) < 0.4).double()
+    uids = [uuid_like(g) for g in range(num_groups) for _ in range(group_size)]
+    keys = [f"{uids[i]}_{i % group_size}_0" for i in range(n)]
+    lengths = torch.randint(response_len // 4, response_len + 1, (n,), generator=gen)
+    mask = (torch.arange(response_len).unsqueeze(0) < lengths.unsqueeze(1)).float()
+    old = -torch.rand(n, response_len, generator=gen) * mask
+    ref = old + 0.01 * torch.randn(n, response_len, generator=gen) * mask
+    grouped = rewards.view(num_groups, group_size)
+    adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(n, 1).float() * mask
+    amir = AmirConfig()
+    fields = compute_step_fields(amir, rewards, uids, mask, old, ref, keys)
+    result = {}
+    for base, agg in (("vanilla", "token-mean"), ("gspo", "seq-mean-token-mean")):
+        loss_fn = whole_batch_policy_loss(actor_config(base, agg), n, int(mask.sum()))
+        samples = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            gradient_signal(loss_fn, fields, old, adv, mask, amir.beta_dpo)
+            samples.append(time.perf_counter() - t0)
+        result[base] = statistics.median(samples[1:])
+    t0 = time.perf_counter()
+    compute_step_fields(amir, rewards, uids, mask, old, ref, keys)
+    result["step_fields"] = time.perf_counter() - t0
+    return dict(result, tokens=int(mask.sum()), pairs=fields.num_pairs)
+
+
 def uuid_like(g: int) -> str:
     return f"{(g * 2654435761) % 2**32:08x}-{g:04x}-4abc-8def-{g * 7919 % 10**12:012d}"
 
@@ -322,6 +362,11 @@ def main():
     print("driver step, 8192 groups x 8 (CPU):", flush=True)
     for name, m in bench_mining().items():
         print(f"  {name:<24} {m['median_ms']:.1f} ms  ({m['pairs']} pairs)")
+    g = bench_grad_signal()
+    print(f"driver gradient signal, 1024 groups x 8, responses up to 2048 tokens ({g['tokens'] / 1e6:.1f} M response "
+          f"tokens, {g['pairs']} pairs; CPU, {torch.get_num_threads()} threads):", flush=True)
+    print(f"  gradient_signal          vanilla {g['vanilla']:.3f} s   gspo {g['gspo']:.3f} s   "
+          f"(step fields before it: {g['step_fields']:.3f} s)")
 
 
 if __name__ == "__main__":

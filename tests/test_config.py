@@ -24,7 +24,7 @@ def compose_verl(overrides, config_dir=VERL_CONFIG, name="ppo_trainer"):
 
 def test_defaults_are_valid_and_documented():
     cfg = AmirConfig()
-    assert cfg.reference == "ref" and cfg.pair_mode == "all" and cfg.lambda_adaptive
+    assert cfg.reference == "ref" and cfg.pair_mode == "all" and cfg.lambda_rule == "grad_share"
     keys = [k for k, _, _ in describe_keys()]
     assert keys == [f"amir.{f.name}" for f in dataclasses.fields(AmirConfig)]
 
@@ -53,14 +53,17 @@ def test_readme_lists_every_key_with_its_default():
         ({"max_pairs_per_group": 0}, "amir.max_pairs_per_group"),
         ({"max_pairs_per_group": 2.5}, "amir.max_pairs_per_group"),
         ({"reference": "none"}, "amir.reference"),
-        ({"lambda_init": 0.5}, "amir.lambda_init"),  # outside [lambda_min, lambda_max] while adaptive
-        ({"lambda_init": -0.1, "lambda_adaptive": False}, "amir.lambda_init"),
-        ({"lambda_min": 0.1}, "amir.lambda_min"),
+        ({"lambda_init": 50.0}, "amir.lambda_init"),  # outside grad_share's default clamps
+        ({"lambda_rule": "loss_ratio", "lambda_init": 0.5}, "amir.lambda_init"),  # outside the official clamps
+        ({"lambda_init": -0.1, "lambda_rule": "fixed"}, "amir.lambda_init"),
+        ({"lambda_min": 10.0}, "amir.lambda_min"),
         ({"target_ratio_low": 0.8}, "amir.target_ratio_low"),
+        ({"target_ratio_high": 1.5}, "amir.target_ratio_high"),  # a share is at most 1
         ({"lambda_increase": 0.9}, "amir.lambda_increase"),
         ({"lambda_decrease": 1.2}, "amir.lambda_decrease"),
-        ({"ratio_ema_decay": 1.0}, "amir.ratio_ema_decay"),
-        ({"lambda_adaptive": "yes"}, "amir.lambda_adaptive"),
+        ({"lambda_rule": "ema"}, "amir.lambda_rule"),
+        ({"lambda_adaptive": False}, "amir.lambda_adaptive"),  # replaced by lambda_rule
+        ({"base_loss_mode": 3}, "amir.base_loss_mode"),
     ],
 )
 def test_bad_values_name_the_key(values, key):
@@ -69,8 +72,45 @@ def test_bad_values_name_the_key(values, key):
 
 
 def test_fixed_lambda_zero_is_allowed_and_ints_are_floats():
-    cfg = AmirConfig.from_mapping({"lambda_init": 0, "lambda_adaptive": False, "beta_dpo": 1})
+    cfg = AmirConfig.from_mapping({"lambda_init": 0, "lambda_rule": "fixed", "beta_dpo": 1})
     assert cfg.lambda_init == 0.0 and isinstance(cfg.beta_dpo, float)
+
+
+def test_null_rule_keys_take_the_rules_defaults():
+    """loss_ratio: the official code's constants; grad_share: its own; a set key wins."""
+    official = AmirConfig(lambda_rule="loss_ratio").lambda_settings()
+    assert (official.lambda_init, official.lambda_min, official.lambda_max, official.target_low,
+            official.target_high, official.increase, official.decrease) == (0.01, 0.005, 0.05, 0.3, 0.7, 1.25, 0.8)
+    share = AmirConfig().lambda_settings()
+    assert share.rule == "grad_share" and share.lambda_min <= share.lambda_init <= share.lambda_max
+    assert 0 < share.target_low < share.target_high <= 1
+    assert AmirConfig(lambda_max=9.0).lambda_settings().lambda_max == 9.0
+
+
+@pytest.mark.parametrize(
+    "loss_mode,base,expected",
+    [("amir_grpo", None, "vanilla"), ("amir_gspo", None, "gspo"), ("amir_grpo", "vanilla", "vanilla"),
+     ("amir", "cispo", "cispo"), ("amir", "sapo", "sapo")],
+)
+def test_base_loss_mode(loss_mode, base, expected):
+    from amir_verl.run_config import resolve_base_loss_mode
+
+    assert resolve_base_loss_mode(loss_mode, AmirConfig(base_loss_mode=base)) == expected
+
+
+@pytest.mark.parametrize(
+    "loss_mode,base,message",
+    [("amir", None, r"\+amir\.base_loss_mode=<verl loss mode>"),
+     ("amir", "vanila", r"amir\.base_loss_mode='vanila' is not in verl's policy-loss registry.*cispo"),
+     ("amir", "amir_grpo", r"amir\.base_loss_mode='amir_grpo' cannot be AMIR's base"),
+     ("amir", "bypass_mode", r"amir\.base_loss_mode='bypass_mode' cannot be AMIR's base"),
+     ("amir_grpo", "gspo", r"amir_grpo is AMIR on `vanilla`, but amir\.base_loss_mode='gspo'")],
+)
+def test_bad_base_loss_mode_names_it(loss_mode, base, message):
+    from amir_verl.run_config import resolve_base_loss_mode
+
+    with pytest.raises(ValueError, match=message):
+        resolve_base_loss_mode(loss_mode, AmirConfig(base_loss_mode=base))
 
 
 def test_stock_grpo_plus_amir_overrides_validates():
@@ -81,9 +121,9 @@ def test_stock_grpo_plus_amir_overrides_validates():
 def test_verl_validate_config_accepts_the_amir_loss_modes():
     from verl.utils.config import validate_config
 
-    for mode in ("amir_grpo", "amir_gspo"):
+    for mode, extra in (("amir_grpo", []), ("amir_gspo", []), ("amir", ["+amir.base_loss_mode=cispo"])):
         config = compose_verl(
-            GRPO + [f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}", "trainer.v1.trainer_mode=amir",
+            GRPO + extra + [f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}", "trainer.v1.trainer_mode=amir",
                     "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
                     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
                     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2", "trainer.n_gpus_per_node=1",
@@ -133,3 +173,8 @@ def test_early_check_inside_verls_validate_config():
         check_amir_run(compose_verl(GRPO + AMIR + ["trainer.use_v1=False"]))
     with pytest.raises(ValueError, match=r"amir\.bta"):
         check_amir_run(compose_verl(GRPO + AMIR + ["actor_rollout_ref.actor.use_kl_loss=True", "+amir.bta=1"]))
+    amir_on = ["actor_rollout_ref.actor.policy_loss.loss_mode=amir", "trainer.v1.trainer_mode=amir",
+               "actor_rollout_ref.actor.use_kl_loss=True"]
+    with pytest.raises(ValueError, match=r"amir\.base_loss_mode='nope'"):
+        check_amir_run(compose_verl(GRPO + amir_on + ["+amir.base_loss_mode=nope"]))
+    check_amir_run(compose_verl(GRPO + amir_on + ["+amir.base_loss_mode=gpg"]))

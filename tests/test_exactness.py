@@ -1,8 +1,9 @@
-"""Exactness of the shipped actor loss against brute-force autograd (issue 2, item 4).
+"""Exactness of the shipped actor loss against brute-force autograd (issues 2 and 9).
 
 For one on-policy update (one mini-batch, one epoch) the gradient accumulated over any split of the
 step batch across data-parallel ranks and micro-batches must equal the gradient of
-``pg_loss + lambda * (-J_pref)`` over the whole batch, J_pref computed by its definition.
+``pg_loss + lambda * (-J_pref)`` over the whole batch, pg_loss being verl's own base loss and J_pref
+computed by its definition, for any base loss of verl's registry under ``loss_mode=amir``.
 """
 
 from functools import partial
@@ -12,6 +13,7 @@ import torch
 
 from amir_verl.actor_loss import amir_ppo_loss
 from amir_verl.config import AmirConfig
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
@@ -43,7 +45,31 @@ LAYOUTS = [
     pytest.param(Layout(dp=1, max_token_len=25, seed=6), id="dp1-dynamic-bsz-small"),
 ]
 
-BASE = {"amir_grpo": ("vanilla", "token-mean"), "amir_gspo": ("gspo", "seq-mean-token-mean")}
+# base loss modes whose verl loss is itself independent of the split (normalised by the global batch
+# through agg_loss), with the options some of them need
+SPLIT_INVARIANT_BASES = {
+    "vanilla": {}, "gspo": {}, "cispo": {}, "gpg": {}, "dppo_tv": {}, "dppo_kl": {}, "sapo": {},
+    "dro": {"dro_beta": 0.5},
+}
+# verl's own loss depends on the split (geo_mean: a plain mean over the micro-batch; clip_cov / kl_cov:
+# a top-k of the micro-batch's tokens), so AMIR's exact claim there is: base gradient at that split
+# plus the whole-batch preference gradient
+SPLIT_DEPENDENT_BASES = {"geo_mean": {}, "clip_cov": {}, "kl_cov": {}}
+AGGREGATIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+# seq-mean-token-sum-norm divides by the padded width unless loss_scale_factor is set (verl's advice);
+# fixed here so that the whole-batch loss does not depend on how wide a micro-batch happens to be
+LOSS_SCALE_FACTOR = {"seq-mean-token-sum-norm": 16}
+# each (base, aggregation) case runs at one of these layouts, in turn, to keep the suite fast
+CYCLED_LAYOUTS = [
+    ("dp2-micro4", Layout(dp=2, micro_batch_size=4, seed=2)),
+    ("dp3-dynamic-bsz", Layout(dp=3, max_token_len=30, seed=7)),
+    ("dp4-micro3", Layout(dp=4, micro_batch_size=3, seed=8)),
+]
+ANY_BASE_CASES = [
+    pytest.param(base, agg, CYCLED_LAYOUTS[i % len(CYCLED_LAYOUTS)][1],
+                 id=f"{base}-{agg}-{CYCLED_LAYOUTS[i % len(CYCLED_LAYOUTS)][0]}")
+    for i, (base, agg) in enumerate((b, a) for b in sorted(SPLIT_INVARIANT_BASES) for a in AGGREGATIONS)
+]
 
 
 @pytest.fixture(scope="module")
@@ -57,71 +83,117 @@ def make_batch(models, seed=0):
     return make_step_batch(model, ref, [6, 1, 5, 4, 4], seed=seed, num_padding=4, empty_response_at=3)
 
 
-def whole_batch_base_loss(model, batch, loss_mode):
+def base_config(base_mode, agg="token-mean", **options):
+    return actor_config(base_mode, agg, loss_scale_factor=LOSS_SCALE_FACTOR.get(agg), **options)
+
+
+def whole_batch_base_loss(model, batch, config):
     """verl's base-mode ppo_loss over the whole step batch in one piece (dp 1, one micro-batch)."""
-    base_mode, agg = BASE[loss_mode]
     order = list(range(len(batch)))
     td = actor_tensordict(batch, order)
     total_tokens = int(sum(batch.response_mask(i).sum() for i in order))
     tu.assign_non_tensor(td, dp_size=1, batch_num_tokens=total_tokens, global_batch_size=len(batch))
     log_probs = nested([token_log_probs(model, x) for x in td["input_ids"].unbind()])
-    base_loss, _ = ppo_loss(actor_config(base_mode, agg), {"log_probs": log_probs}, td)
+    base_loss, _ = ppo_loss(config, {"log_probs": log_probs}, td)
     return base_loss
 
 
-def brute_force_gradient(model, batch, amir, loss_mode, lambda_reg):
+def brute_force_gradient(model, batch, amir, config, lambda_reg):
     model.zero_grad()
-    base_loss = whole_batch_base_loss(model, batch, loss_mode)
+    base_loss = whole_batch_base_loss(model, batch, config)
     j_pref = brute_force_pref_objective(model, batch.ref_log_probs, batch, amir)
     (base_loss + lambda_reg * (-j_pref)).backward()
     return grads(model), j_pref.detach(), float(base_loss)
 
 
-@pytest.mark.parametrize("loss_mode", ["amir_grpo", "amir_gspo"])
+def amir_update(model, batch, amir, config, layout, fields, lambda_reg=LAMBDA):
+    loss_fn = partial(amir_ppo_loss, config=config, beta_dpo=amir.beta_dpo)
+    model.zero_grad()
+    outputs = run_actor_update(model, batch, loss_fn, layout, extra_info_for(fields, lambda_reg), fields)
+    return grads(model), outputs
+
+
+def assert_grads_close(actual, expected):
+    # float64 model, but Qwen2's RMSNorm and rotary embedding compute in float32, so two mathematically
+    # equal gradients differ by float32 rounding (~1e-8 here); the preference part is ~1e-1.
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("base", [("vanilla", "token-mean"), ("gspo", "seq-mean-token-mean")], ids=["grpo", "gspo"])
 @pytest.mark.parametrize("reference", ["ref", "ref_free"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_gradient_equals_brute_force(models, loss_mode, reference, layout):
+def test_gradient_equals_brute_force(models, base, reference, layout):
     model, _ = models
     batch = make_batch(models)
     amir = AmirConfig(reference=reference, delta_r=0.5, beta_dpo=0.5)
     fields = amir_step_fields(batch, amir)
     assert fields.num_pairs > 0
-    expected, j_pref, base_value = brute_force_gradient(model, batch, amir, loss_mode, LAMBDA)
-
-    base_mode, agg = BASE[loss_mode]
-    loss_fn = partial(amir_ppo_loss, config=actor_config(loss_mode, agg), beta_dpo=amir.beta_dpo)
-    model.zero_grad()
-    outputs = run_actor_update(model, batch, loss_fn, layout, extra_info_for(fields, len(batch), LAMBDA), fields)
-    actual = grads(model)
+    config = base_config(*base)
+    expected, j_pref, base_value = brute_force_gradient(model, batch, amir, config, LAMBDA)
+    actual, outputs = amir_update(model, batch, amir, config, layout, fields)
 
     assert fields.stats.pref_loss == pytest.approx(-float(j_pref), rel=1e-10)
-    # float64 model, but Qwen2's RMSNorm and rotary embedding compute in float32, so two mathematically
-    # equal gradients differ by float32 rounding (~1e-8 here); the preference part is ~1e-1.
-    for a, e in zip(actual, expected, strict=True):
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-7)
+    assert_grads_close(actual, expected)
     # the shares of all micro-batches add up to the whole loss, preference term included
     total = sum(float(loss) for loss, _ in outputs) / layout.dp
     assert total == pytest.approx(base_value + LAMBDA * -float(j_pref), rel=1e-9, abs=1e-12)
 
 
-@pytest.mark.parametrize("loss_mode", ["amir_grpo", "amir_gspo"])
-def test_lambda_zero_equals_base_mode_exactly(models, loss_mode):
-    """lambda = 0: loss, gradient and every base metric are bit-identical to `vanilla` / `gspo`."""
+@pytest.mark.parametrize("base_mode,agg,layout", ANY_BASE_CASES)
+def test_any_base_loss_gradient_equals_brute_force(models, base_mode, agg, layout):
+    """loss_mode=amir on each split-invariant verl loss and aggregation: exact whole-batch gradient."""
+    model, _ = models
+    batch = make_batch(models, seed=11)
+    amir = AmirConfig(delta_r=0.5, beta_dpo=0.5)
+    fields = amir_step_fields(batch, amir)
+    config = base_config(base_mode, agg, **SPLIT_INVARIANT_BASES[base_mode])
+    expected, _, _ = brute_force_gradient(model, batch, amir, config, LAMBDA)
+    actual, _ = amir_update(model, batch, amir, config, layout, fields)
+    assert_grads_close(actual, expected)
+
+
+@pytest.mark.parametrize("base_mode", sorted(SPLIT_DEPENDENT_BASES))
+def test_split_dependent_base_loss_gets_exactly_the_whole_batch_term(models, base_mode):
+    model, _ = models
+    batch = make_batch(models, seed=12)
+    amir = AmirConfig(delta_r=0.5, beta_dpo=0.5)
+    fields = amir_step_fields(batch, amir)
+    config = base_config(base_mode, **SPLIT_DEPENDENT_BASES[base_mode])
+    layout = Layout(dp=2, micro_batch_size=4, seed=2)
+    model.zero_grad()
+    run_actor_update(model, batch, partial(ppo_loss, config=config), layout, {})
+    base = grads(model)
+    model.zero_grad()
+    (-LAMBDA * brute_force_pref_objective(model, batch.ref_log_probs, batch, amir)).backward()
+    pref = grads(model)
+    actual, _ = amir_update(model, batch, amir, config, layout, fields)
+    assert_grads_close(actual, [b + p for b, p in zip(base, pref, strict=True)])
+
+
+def test_every_registered_verl_loss_is_covered():
+    """A loss mode verl adds later must be placed in one of the lists above (or refused as a base)."""
+    from amir_verl.run_config import AMIR_LOSS_MODES, UNSUPPORTED_BASE_MODES
+
+    covered = {*SPLIT_INVARIANT_BASES, *SPLIT_DEPENDENT_BASES, *AMIR_LOSS_MODES, *UNSUPPORTED_BASE_MODES}
+    assert set(POLICY_LOSS_REGISTRY) == covered
+
+
+@pytest.mark.parametrize("base", [("vanilla", "token-mean"), ("gspo", "seq-mean-token-mean")], ids=["grpo", "gspo"])
+def test_lambda_zero_equals_base_mode_exactly(models, base):
+    """lambda = 0: loss, gradient and every base metric are bit-identical to the base mode's."""
     model, _ = models
     batch = make_batch(models, seed=3)
     amir = AmirConfig()
     fields = amir_step_fields(batch, amir)
     assert fields.num_pairs > 0
-    base_mode, agg = BASE[loss_mode]
+    config = base_config(*base)
     layout = Layout(dp=2, micro_batch_size=3, seed=9)
 
     model.zero_grad()
-    base_out = run_actor_update(model, batch, partial(ppo_loss, config=actor_config(base_mode, agg)), layout, {})
+    base_out = run_actor_update(model, batch, partial(ppo_loss, config=config), layout, {})
     base_grads = grads(model)
-    model.zero_grad()
-    amir_fn = partial(amir_ppo_loss, config=actor_config(loss_mode, agg), beta_dpo=amir.beta_dpo)
-    amir_out = run_actor_update(model, batch, amir_fn, layout, extra_info_for(fields, len(batch), 0.0), fields)
-    amir_grads = grads(model)
+    amir_grads, amir_out = amir_update(model, batch, amir, config, layout, fields, lambda_reg=0.0)
 
     for a, b in zip(amir_grads, base_grads, strict=True):
         assert torch.equal(a, b)
@@ -139,12 +211,17 @@ def test_no_pairs_contributes_exactly_nothing(models):
     fields = amir_step_fields(batch, amir)
     assert fields.num_pairs == 0 and fields.stats.pref_loss == 0.0
     layout = Layout(dp=1, micro_batch_size=4)
+    config = base_config("vanilla")
     model.zero_grad()
-    run_actor_update(model, batch, partial(ppo_loss, config=actor_config("vanilla")), layout, {})
+    run_actor_update(model, batch, partial(ppo_loss, config=config), layout, {})
     base = grads(model)
-    model.zero_grad()
-    fn = partial(amir_ppo_loss, config=actor_config("amir_grpo"), beta_dpo=amir.beta_dpo)
-    out = run_actor_update(model, batch, fn, layout, extra_info_for(fields, len(batch), 0.05), fields)
+    actual, out = amir_update(model, batch, amir, config, layout, fields, lambda_reg=0.05)
     assert all(torch.isfinite(loss) for loss, _ in out)
-    for a, b in zip(grads(model), base, strict=True):
+    for a, b in zip(actual, base, strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_amir_registry_entries_are_not_the_loss():
+    """Reached through verl's ppo_loss with an AMIR mode (no base config), the run fails loudly."""
+    with pytest.raises(RuntimeError, match="trainer_mode=amir"):
+        POLICY_LOSS_REGISTRY["amir"](torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2))

@@ -1,22 +1,26 @@
-"""The adaptive lambda controller, and resuming a run from a checkpoint (issue 2, item 7)."""
+"""The lambda rules, the driver's gradient signal, and resuming a run from a checkpoint (issues 2 and 9)."""
 
 import copy
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 
 from amir_verl.actor_loss import amir_ppo_loss
 from amir_verl.config import AmirConfig
-from amir_verl.lambda_control import AdaptiveLambdaController
-from amir_verl.trainer import STATE_FILE, read_amir_state, write_amir_state
+from amir_verl.lambda_control import StepSignal
+from amir_verl.preference import dpo_logits, length_normalised_log_probs, mine_preference_pairs, preference_objective
+from amir_verl.step_batch import compute_step_fields, gradient_signal
+from amir_verl.trainer import STATE_FILE, lambda_metrics, read_amir_state, whole_batch_policy_loss, write_amir_state
+from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from tests.verl_batch import (
     Layout,
     actor_config,
     amir_step_fields,
     extra_info_for,
     make_step_batch,
-    plain_metrics,
+    padded,
     run_actor_update,
     tiny_model,
 )
@@ -26,57 +30,127 @@ def controller(**overrides):
     return AmirConfig.from_mapping(overrides).make_lambda_controller()
 
 
-def test_lambda_rises_when_the_preference_share_is_small():
-    c = controller()
-    assert c.update(pg_loss=1.0, pref_loss=0.7, num_pairs=4) == pytest.approx(0.0125)  # rho ~ 0.007 < 0.3
+def signal(pg_loss=0.0, pref_loss=0.7, pg_grad_norm=1.0, pref_grad_norm_per_lambda=0.25, num_pairs=4):
+    return StepSignal(pg_loss, pref_loss, pg_grad_norm, pref_grad_norm_per_lambda, num_pairs)
 
 
-def test_lambda_falls_when_the_preference_share_is_large():
-    c = controller(lambda_init=0.05, lambda_max=0.05)
-    assert c.update(pg_loss=0.001, pref_loss=0.7, num_pairs=4) == pytest.approx(0.04)
+# ---------------------------------------------------------------- loss_ratio: the official rule
 
 
-def test_lambda_stays_inside_its_range():
-    c = controller()
-    for _ in range(50):
-        c.update(1.0, 0.7, 4)
-    assert c.value == 0.05
-    for _ in range(200):
-        c.update(0.0, 100.0, 4)
-    assert c.value == 0.005
+def test_loss_ratio_reproduces_the_official_trajectory_step_by_step():
+    """Hand-computed from the official rule (r = lambda * L_pref / max(1e-9, L_pg); r < 0.3: x1.25 up to
+    0.05; r > 0.7: x0.8 down to 0.005; the new lambda is used at once), L_pref = 0.7 throughout."""
+    pg_losses = [1e-12, -0.02, 0.0, 0.02, 0.02, 0.02, 0.02, 1e-12, 1e-12, 1e-12, 1e-12, 1e-12] + [1.0] * 10
+    expected = [
+        0.008, 0.0064, 0.00512,  # L_pg <= 1e-9: r is huge, lambda x0.8
+        0.0064,  # r = 0.00512 * 0.7 / 0.02 = 0.1792 < 0.3
+        0.008,  # r = 0.0064 * 35 = 0.224
+        0.01,  # r = 0.28
+        0.01,  # r = 0.35: inside the band
+        0.008, 0.0064, 0.00512, 0.005, 0.005,  # down again, clamped at 0.005 (0.8 * 0.00512 = 0.004096)
+        0.00625, 0.0078125, 0.009765625, 0.01220703125, 0.0152587890625, 0.019073486328125,
+        0.02384185791015625, 0.0298023223876953, 0.0372529029846191, 0.0465661287307739,  # r ~ 0.005 << 0.3
+    ]
+    c = controller(lambda_rule="loss_ratio")
+    used = [c.step(signal(pg_loss=pg)) for pg in pg_losses]
+    assert used == pytest.approx(expected, rel=1e-12)
+    assert [c.step(signal(pg_loss=1.0)) for _ in range(2)] == [0.05, 0.05]  # clamped at 0.05
 
 
-def test_fixed_lambda_and_steps_without_pairs_leave_the_state_alone():
-    fixed = controller(lambda_adaptive=False, lambda_init=0.3)
-    assert fixed.update(1.0, 0.7, 4) == 0.3
-    c = controller()
+def test_steps_without_pairs_and_the_fixed_rule_leave_lambda_alone():
+    c = controller(lambda_rule="loss_ratio")
     before = c.state_dict()
-    assert c.update(1.0, 0.0, num_pairs=0) == 0.01
+    assert c.step(signal(pg_loss=1e-12, pref_loss=0.0, pref_grad_norm_per_lambda=0.0, num_pairs=0)) == 0.01
     assert c.state_dict() == before
+    fixed = controller(lambda_rule="fixed", lambda_init=0.3)
+    assert [fixed.step(signal(pg_loss=pg)) for pg in (1e-12, 1.0, -3.0)] == [0.3, 0.3, 0.3]
 
 
-def test_a_near_zero_or_negative_pg_loss_cannot_crash_lambda_to_its_floor():
-    """The official ratio lambda*L_pref/L_grpo explodes at L_grpo ~ 0; the smoothed share does not."""
-    c = controller(lambda_init=0.02)
-    for _ in range(20):
-        c.update(pg_loss=0.05, pref_loss=0.69, num_pairs=8)  # steady state
-    steady = c.value
-    c.update(pg_loss=1e-12, pref_loss=0.69, num_pairs=8)
-    c.update(pg_loss=-0.01, pref_loss=0.69, num_pairs=8)
-    assert c.value >= steady * 0.8**2 and c.value > 0.005
+def test_non_finite_signals_raise():
+    with pytest.raises(ValueError, match="non-finite pg_loss"):
+        signal(pg_loss=float("nan"))
+    with pytest.raises(ValueError, match="non-finite pg_grad_norm"):
+        signal(pg_grad_norm=float("inf"))
 
 
-def test_non_finite_losses_raise():
-    with pytest.raises(ValueError, match="non-finite"):
-        controller().update(float("nan"), 0.5, 3)
+# ---------------------------------------------------------------- grad_share on an on-policy batch
 
 
-def test_state_dict_round_trip(tmp_path):
-    c = controller()
-    for pg in (0.3, 0.1, 0.02):
-        c.update(pg, 0.69, 5)
+def on_policy_step(seed=0, groups=16, group_size=8, length=12, beta_dpo=0.2):
+    """A step batch whose GRPO token-mean loss is 0 on-policy while its advantages are not: equal
+    response lengths, group-normalised advantages (sum zero in every group)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = groups * group_size
+    rewards = (torch.rand(n, generator=gen) < 0.4).double()
+    uids = [f"g{i // group_size}" for i in range(n)]
+    mask = torch.ones(n, length)
+    old = -torch.rand(n, length, generator=gen, dtype=torch.float64) * 3
+    ref = old + 0.1 * torch.randn(n, length, generator=gen, dtype=torch.float64)
+    scores = torch.zeros(n, length)
+    scores[:, -1] = rewards.float()
+    advantages, _ = compute_grpo_outcome_advantage(scores, mask, np.array(uids, dtype=object))
+    amir = AmirConfig(beta_dpo=beta_dpo)
+    fields = compute_step_fields(amir, rewards, uids, mask, old, ref)
+    loss_fn = whole_batch_policy_loss(actor_config("vanilla", kl_coef=None), n, int(mask.sum()))
+    return gradient_signal(loss_fn, fields, old, advantages.double(), mask, beta_dpo), (rewards, uids, mask, old, ref,
+                                                                                        advantages, amir)
+
+
+def test_gradient_signal_equals_brute_force_autograd():
+    """pg: verl's vanilla token-mean loss on-policy has gradient -A / (number of tokens) per token;
+    pref: autograd of -J_pref by its definition with respect to every token log-prob."""
+    s, (rewards, uids, mask, old, ref, advantages, amir) = on_policy_step(seed=1)
+    assert abs(s.pg_loss) < 1e-7 and s.num_pairs > 0  # ~0: float32 advantages
+    assert s.pg_grad_norm == pytest.approx(float((advantages.double() * mask / mask.sum()).norm()), rel=1e-6)
+
+    logp = old.clone().requires_grad_(True)
+    group_ids = torch.tensor([int(u[1:]) for u in uids])
+    pairs = mine_preference_pairs(rewards, group_ids, amir.delta_r)
+    j = preference_objective(dpo_logits(length_normalised_log_probs(logp, mask), length_normalised_log_probs(ref, mask),
+                                        pairs, amir.beta_dpo))
+    (grad,) = torch.autograd.grad(-j, logp)
+    assert len(pairs) == s.num_pairs
+    assert s.pref_loss == pytest.approx(-float(j), rel=1e-10)
+    assert s.pref_grad_norm_per_lambda == pytest.approx(float(grad.norm()), rel=1e-10)
+
+
+def test_on_policy_grad_share_moves_lambda_into_the_band_while_loss_ratio_hits_its_floor():
+    s, _ = on_policy_step(seed=2)
+    assert abs(s.pg_loss) < 1e-7 and s.pg_grad_norm > 0  # the loss value says nothing, the gradient does
+    share = controller()  # grad_share defaults
+    rule = share.rule
+    assert s.grad_share(rule.lambda_min) < rule.target_low < rule.target_high < s.grad_share(rule.lambda_max)
+    lambdas = [share.step(s) for _ in range(40)]
+    assert all(rule.lambda_min <= lam <= rule.lambda_max for lam in lambdas)
+    assert rule.target_low <= s.grad_share(lambdas[-1]) <= rule.target_high
+    assert lambdas[-1] == lambdas[-2]  # settled inside the band
+
+    official = controller(lambda_rule="loss_ratio")
+    assert [official.step(s) for _ in range(4)] == pytest.approx([0.008, 0.0064, 0.00512, 0.005])
+
+    metrics = lambda_metrics(s, lambdas[-1])
+    assert metrics["amir/pref_grad_norm"] == pytest.approx(lambdas[-1] * s.pref_grad_norm_per_lambda)
+    assert metrics["amir/grad_share"] == pytest.approx(
+        metrics["amir/pref_grad_norm"] / (metrics["amir/pref_grad_norm"] + metrics["amir/pg_grad_norm"]))
+
+
+def test_grad_share_lowers_lambda_when_the_term_dominates():
+    c = controller(lambda_init=5.0)
+    strong = signal(pg_grad_norm=0.01, pref_grad_norm_per_lambda=1.0)  # share ~1 at any lambda in range
+    lambdas = [c.step(strong) for _ in range(60)]
+    assert lambdas[0] == pytest.approx(4.0) and lambdas[-1] == c.rule.lambda_min
+
+
+# ---------------------------------------------------------------- state
+
+
+@pytest.mark.parametrize("rule", ["grad_share", "loss_ratio", "fixed"])
+def test_state_dict_round_trip(tmp_path, rule):
+    c = controller(lambda_rule=rule)
+    for pg in (0.3, 1e-12, 0.02):
+        c.step(signal(pg_loss=pg, pg_grad_norm=pg + 0.01))
     write_amir_state(str(tmp_path), 3, c)
-    fresh = controller()
+    fresh = controller(lambda_rule=rule)
     assert read_amir_state(str(tmp_path), fresh)
     assert fresh.state_dict() == c.state_dict()
     assert not read_amir_state(str(tmp_path / "elsewhere"), controller())
@@ -85,32 +159,41 @@ def test_state_dict_round_trip(tmp_path):
     assert (tmp_path / STATE_FILE).exists()
 
 
+def test_a_checkpoint_of_another_rule_is_refused(tmp_path):
+    write_amir_state(str(tmp_path), 1, controller(lambda_rule="loss_ratio"))
+    with pytest.raises(ValueError, match="differs"):
+        read_amir_state(str(tmp_path), controller(lambda_rule="grad_share"))
+
+
 # ---------------------------------------------------------------- resume equals an uninterrupted run
 
 
-AMIR = AmirConfig(beta_dpo=0.5, lambda_init=0.02, lambda_min=0.005, lambda_max=0.5)
-
-
-def train_steps(model, optimizer, lam: AdaptiveLambdaController, steps, ref_model):
-    """AMIR-GRPO updates through verl's loss path; returns (lambda used, loss) per step."""
+def train_steps(model, optimizer, lam, steps, ref_model, amir):
+    """AMIR-GRPO updates through verl's loss path, lambda picked per step from the driver's signal;
+    returns (lambda used, loss) per step."""
     history = []
-    loss_fn = partial(amir_ppo_loss, config=actor_config("amir_grpo", micro=8), beta_dpo=AMIR.beta_dpo)
+    config = actor_config("vanilla", micro=8)
+    loss_fn = partial(amir_ppo_loss, config=config, beta_dpo=amir.beta_dpo)
     for step in steps:
         batch = make_step_batch(model, ref_model, [4, 4], seed=100 + step)
-        fields = amir_step_fields(batch, AMIR)
+        fields = amir_step_fields(batch, amir)
+        masks = padded([batch.response_mask(i) for i in range(len(batch))])
+        s = gradient_signal(whole_batch_policy_loss(config, len(batch), int(masks.sum())), fields,
+                            padded(batch.old_log_probs, masks.shape[1]), padded(batch.advantages, masks.shape[1]),
+                            masks, amir.beta_dpo)
+        lambda_used = lam.step(s)
         optimizer.zero_grad()
-        lambda_used = lam.value
         out = run_actor_update(model, batch, loss_fn, Layout(dp=1, micro_batch_size=8),
-                               extra_info_for(fields, len(batch), lambda_used), fields)
+                               extra_info_for(fields, lambda_used), fields)
         optimizer.step()
-        (loss, metrics), = out
-        _, pg_values = plain_metrics(metrics)["actor/pg_loss"]
-        lam.update(sum(pg_values), fields.stats.pref_loss, fields.num_pairs)
+        (loss, _), = out
         history.append((lambda_used, float(loss)))
     return history
 
 
-def test_resumed_run_continues_with_the_same_lambda_and_loss(tmp_path):
+@pytest.mark.parametrize("rule", ["grad_share", "loss_ratio"])
+def test_resumed_run_continues_with_the_same_lambda_and_loss(tmp_path, rule):
+    amir = AmirConfig(beta_dpo=0.5, lambda_rule=rule, lambda_init=0.05)  # a clamp of either rule: it must move
     ref_model = tiny_model(seed=7)
     model = tiny_model(seed=3)
     start = copy.deepcopy(model.state_dict())
@@ -118,13 +201,13 @@ def test_resumed_run_continues_with_the_same_lambda_and_loss(tmp_path):
     def fresh():
         m = tiny_model(seed=3)
         m.load_state_dict(start)
-        return m, torch.optim.AdamW(m.parameters(), lr=1e-2), AMIR.make_lambda_controller()
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2), amir.make_lambda_controller()
 
     m, opt, lam = fresh()
-    uninterrupted = train_steps(m, opt, lam, range(5), ref_model)
+    uninterrupted = train_steps(m, opt, lam, range(5), ref_model, amir)
 
     m, opt, lam = fresh()
-    first = train_steps(m, opt, lam, range(3), ref_model)
+    first = train_steps(m, opt, lam, range(3), ref_model, amir)
     folder = tmp_path / "global_step_3"
     folder.mkdir()
     torch.save({"model": m.state_dict(), "optim": opt.state_dict()}, folder / "actor.pt")
@@ -135,7 +218,7 @@ def test_resumed_run_continues_with_the_same_lambda_and_loss(tmp_path):
     m.load_state_dict(saved["model"])
     opt.load_state_dict(saved["optim"])
     assert read_amir_state(str(folder), lam)
-    second = train_steps(m, opt, lam, range(3, 5), ref_model)
+    second = train_steps(m, opt, lam, range(3, 5), ref_model, amir)
 
     assert first + second == uninterrupted
     assert len({lam_used for lam_used, _ in uninterrupted}) > 1  # lambda did adapt along the way

@@ -49,14 +49,19 @@ def test_recipe_composes_and_validates(variant, model, vllm_lora_check):
     assert (val.n, val.temperature, val.top_p) == (8, 0.6, 1.0) and len(config.data.val_files) == 7
     assert config.trainer.validation_data_dir  # generations are dumped for the evaluation CLI
     if variant.startswith("amir"):
-        assert validate_amir_run(config).reference == "ref"
+        amir = validate_amir_run(config)
+        assert amir.reference == "ref"
+        # the official code's lambda rule and constants, so that the recipes reproduce the official runs
+        rule = amir.lambda_settings()
+        assert (rule.rule, rule.lambda_init, rule.lambda_min, rule.lambda_max, rule.target_low, rule.target_high) == (
+            "loss_ratio", 0.01, 0.005, 0.05, 0.3, 0.7)
 
 
 @pytest.mark.parametrize("base", ["grpo", "gspo"])
 def test_amir_variant_differs_from_its_baseline_only_by_the_amir_overrides(base):
     baseline = OmegaConf.to_container(compose_recipe(base, MODELS[0]))
     amir = OmegaConf.to_container(compose_recipe(f"amir_{base}", MODELS[0]))
-    assert amir.pop("amir") == {} and "amir" not in baseline
+    assert amir.pop("amir") == {"lambda_rule": "loss_ratio"} and "amir" not in baseline
 
     def differences(a, b, path=""):
         if isinstance(a, dict) and isinstance(b, dict):

@@ -8,7 +8,7 @@ import torch
 
 from amir_verl.actor_loss import amir_ppo_loss
 from amir_verl.config import AmirConfig
-from amir_verl.step_batch import compute_step_fields, loss_scale, session_final_mask
+from amir_verl.step_batch import compute_step_fields, num_mini_batches, preference_term_weight, session_final_mask
 from verl.workers.utils.losses import ppo_loss
 from tests.verl_batch import (
     Layout,
@@ -91,13 +91,16 @@ def test_statistics_do_not_depend_on_batch_order():
     assert base.stats == other.stats
 
 
-def test_loss_scale():
-    assert loss_scale(0.1, num_pairs=5, num_sequences=16, mini_batch_sequences=16) == pytest.approx(0.02)
-    assert loss_scale(0.1, num_pairs=5, num_sequences=16, mini_batch_sequences=4) == pytest.approx(0.08)
-    assert loss_scale(0.1, num_pairs=0, num_sequences=16, mini_batch_sequences=4) == 0.0
-    assert loss_scale(0.0, num_pairs=5, num_sequences=16, mini_batch_sequences=4) == 0.0
+def test_preference_term_weight():
+    """lambda * M * dp / P, decided from its docstring's derivation."""
+    assert preference_term_weight(0.1, num_pairs=5, num_mini_batches=1, dp_size=1) == pytest.approx(0.02)
+    assert preference_term_weight(0.1, num_pairs=5, num_mini_batches=4, dp_size=1) == pytest.approx(0.08)
+    assert preference_term_weight(0.1, num_pairs=5, num_mini_batches=4, dp_size=2) == pytest.approx(0.16)
+    assert preference_term_weight(0.1, num_pairs=0, num_mini_batches=4, dp_size=2) == 0.0
+    assert preference_term_weight(0.0, num_pairs=5, num_mini_batches=4, dp_size=2) == 0.0
+    assert num_mini_batches(16, 4) == 4
     with pytest.raises(ValueError, match="multiple"):
-        loss_scale(0.1, 5, 10, 4)
+        num_mini_batches(10, 4)
 
 
 def test_after_the_policy_moved_each_sequence_meets_its_partners_as_they_were():
@@ -110,13 +113,14 @@ def test_after_the_policy_moved_each_sequence_meets_its_partners_as_they_were():
     with torch.no_grad():  # the policy moves after the first mini-batch's optimizer step
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    extra = extra_info_for(fields, len(batch), 0.3)
-    scale = extra["amir_loss_scale"]
+    extra = extra_info_for(fields, 0.3)
+    scale = 0.3 / fields.num_pairs
     micro = [0, 3, 7]  # the micro-batch at hand; its partners are mostly elsewhere
     sub = type(batch)(*[[getattr(batch, f)[i] for i in micro] if f != "rewards" else batch.rewards[micro]
                          for f in ("prompts", "responses", "rewards", "uids", "keys", "is_padding", "old_log_probs",
                                    "ref_log_probs", "advantages")])
-    sub_fields = type(fields)(fields.ref_seq_logp[micro], fields.partner_score[micro], fields.partner_sign[micro],
+    sub_fields = type(fields)(fields.old_seq_logp[micro], fields.ref_seq_logp[micro], fields.partner_score[micro],
+                              fields.partner_sign[micro],
                               fields.stats)
 
     model.zero_grad()
@@ -124,7 +128,7 @@ def test_after_the_policy_moved_each_sequence_meets_its_partners_as_they_were():
                      extra, sub_fields)
     base = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    fn = partial(amir_ppo_loss, config=actor_config("amir_grpo"), beta_dpo=amir.beta_dpo)
+    fn = partial(amir_ppo_loss, config=actor_config("vanilla"), beta_dpo=amir.beta_dpo)
     (amir_loss, _), = run_actor_update(model, sub, fn, Layout(dp=1, micro_batch_size=3), extra, sub_fields)
     amir_grad = [p.grad.clone() for p in model.parameters()]
 

@@ -17,8 +17,8 @@ from tensordict import TensorDict
 from transfer_queue import KVBatchMeta
 
 from amir_verl.actor_loss import amir_ppo_loss
-from amir_verl.step_batch import EXTRA_LOSS_SCALE, FIELD_PARTNER_SCORE
-from amir_verl.trainer import AmirPPOTrainer
+from amir_verl.step_batch import EXTRA_LAMBDA, EXTRA_NUM_MINI_BATCHES, EXTRA_NUM_PAIRS, FIELD_PARTNER_SCORE
+from amir_verl.trainer import AmirPPOTrainer, run_base_actor_config
 from tests.test_config import GRPO, compose_verl
 from tests.test_exactness import brute_force_gradient
 from tests.verl_batch import (
@@ -52,7 +52,7 @@ def make_trainer(overrides):
         GRPO
         + ["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "trainer.v1.trainer_mode=amir",
            "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.rollout.n=1",
-           "actor_rollout_ref.actor.ppo_mini_batch_size=24"]
+           "actor_rollout_ref.actor.ppo_mini_batch_size=24", "+amir.lambda_rule=fixed", f"+amir.lambda_init={LAMBDA}"]
         + overrides
     )
     OmegaConf.resolve(config)
@@ -60,11 +60,8 @@ def make_trainer(overrides):
     # advantage step only reads self.config, so construct the object without them.
     trainer = AmirPPOTrainer.__new__(AmirPPOTrainer)
     trainer.config = config
-    from amir_verl.run_config import validate_amir_run
-
-    trainer.amir = validate_amir_run(config)
+    trainer.amir, trainer.base_actor_config = run_base_actor_config(config)
     trainer.lambda_controller = trainer.amir.make_lambda_controller()
-    trainer.lambda_controller.value = LAMBDA
     return trainer
 
 
@@ -107,14 +104,19 @@ def test_compute_advantage_then_actor_update_is_exact(transfer_queue, reference)
     assert metrics["amir/lambda"] == LAMBDA
     assert metrics["amir/num_pairs"] > 0
     assert metrics["amir/groups_without_pairs"] >= 1  # the group of one
-    assert meta.extra_info[EXTRA_LOSS_SCALE] == pytest.approx(LAMBDA / metrics["amir/num_pairs"])
+    extra = meta.extra_info
+    assert (extra[EXTRA_LAMBDA], extra[EXTRA_NUM_PAIRS], extra[EXTRA_NUM_MINI_BATCHES]) == (
+        LAMBDA, metrics["amir/num_pairs"], 1)
+    assert metrics["amir/pg_grad_norm"] > 0 and metrics["amir/pref_grad_norm"] > 0
+    assert metrics["amir/grad_share"] == pytest.approx(
+        metrics["amir/pref_grad_norm"] / (metrics["amir/pg_grad_norm"] + metrics["amir/pref_grad_norm"]))
     # the workers' view (verl's tqbridge): the fields the returned meta lists, plus its extra_info
     assert FIELD_PARTNER_SCORE in meta.fields and "advantages" in meta.fields
     actor_batch = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=meta.fields)
-    expected, j_pref, _ = brute_force_gradient(model, batch, trainer.amir, "amir_grpo", LAMBDA)
+    expected, j_pref, _ = brute_force_gradient(model, batch, trainer.amir, actor_config("vanilla"), LAMBDA)
     assert metrics["amir/pref_loss"] == pytest.approx(-float(j_pref), rel=1e-6)
 
-    loss_fn = partial(amir_ppo_loss, config=actor_config("amir_grpo"), beta_dpo=0.5)
+    loss_fn = partial(amir_ppo_loss, config=actor_config("vanilla"), beta_dpo=0.5)
     model.zero_grad()
     run_actor_update(
         model, batch, loss_fn, Layout(dp=2, micro_batch_size=3, seed=4), dict(meta.extra_info),

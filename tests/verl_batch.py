@@ -22,12 +22,13 @@ from verl.workers.engine.utils import prepare_micro_batches
 
 from amir_verl.config import AmirConfig
 from amir_verl.step_batch import (
-    EXTRA_LOSS_SCALE,
+    EXTRA_LAMBDA,
+    EXTRA_NUM_MINI_BATCHES,
+    EXTRA_NUM_PAIRS,
     FIELD_PARTNER_SCORE,
     FIELD_PARTNER_SIGN,
     FIELD_REF_SEQ_LOGP,
     compute_step_fields,
-    loss_scale,
 )
 
 VOCAB = 48
@@ -171,7 +172,9 @@ def actor_tensordict(batch: StepBatch, order: list[int], fields=None, extra: dic
     return tu.get_tensordict(tensor_dict=tensors, non_tensor_dict=extra or {})
 
 
-def actor_config(loss_mode="amir_grpo", loss_agg_mode="token-mean", kl_coef=0.001, micro=2, mini=8) -> ActorConfig:
+def actor_config(loss_mode="vanilla", loss_agg_mode="token-mean", kl_coef=0.001, micro=2, mini=8,
+                 loss_scale_factor=None, **policy_loss) -> ActorConfig:
+    """verl's actor config; ``amir_ppo_loss`` takes the one of the BASE loss mode."""
     gspo = loss_mode.endswith("gspo")
     return ActorConfig(
         strategy="fsdp",
@@ -182,9 +185,10 @@ def actor_config(loss_mode="amir_grpo", loss_agg_mode="token-mean", kl_coef=0.00
         kl_loss_coef=kl_coef or 0.0,
         kl_loss_type="low_var_kl",
         loss_agg_mode=loss_agg_mode,
+        loss_scale_factor=loss_scale_factor,
         clip_ratio_low=3e-4 if gspo else 0.2,
         clip_ratio_high=4e-4 if gspo else 0.28,
-        policy_loss=PolicyLossConfig(loss_mode=loss_mode),
+        policy_loss=PolicyLossConfig(loss_mode=loss_mode, **policy_loss),
     )
 
 
@@ -257,9 +261,9 @@ def brute_force_pref_objective(model, ref_model_logps, batch: StepBatch, amir: A
     return torch.stack(terms).mean()
 
 
-def extra_info_for(fields, n: int, lambda_reg: float) -> dict:
-    """verl's batch ``extra_info`` for one on-policy update (one mini-batch: the whole step batch)."""
-    return {EXTRA_LOSS_SCALE: loss_scale(lambda_reg, fields.num_pairs, n, n)}
+def extra_info_for(fields, lambda_reg: float, mini_batches: int = 1) -> dict:
+    """verl's batch ``extra_info`` as the AMIR trainer sets it (default: one mini-batch, the whole batch)."""
+    return {EXTRA_LAMBDA: lambda_reg, EXTRA_NUM_PAIRS: fields.num_pairs, EXTRA_NUM_MINI_BATCHES: mini_batches}
 
 
 def plain_metrics(metrics: dict) -> dict:
