@@ -67,6 +67,21 @@ def test_ctrl_c_stops_the_child_group_even_when_pressed_twice():
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
 
 
+def test_what_the_child_leaves_in_its_group_is_stopped_when_it_exits(tmp_path):
+    """main_ppo can exit while Ray processes of its group still hold the output pipe: they are stopped at
+    once, so the launcher neither waits on the pipe nor leaves them running."""
+    code = ("import subprocess, sys; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); print(p.pid, flush=True)")
+    printed = []
+    returncode, output = run_logged([PY, "-c", code], log_path=tmp_path / "log",
+                                    on_line=lambda line: printed.append(time.monotonic()))
+    assert returncode == 0 and time.monotonic() - printed[0] < 3  # waiting on the pipe would take GRACE_S (5 s)
+    leftover = int(output)
+    time.sleep(0.5)
+    assert not psutil.pid_exists(leftover) or psutil.Process(leftover).status() == psutil.STATUS_ZOMBIE
+    assert (tmp_path / "log").read_text() == output
+
+
 def test_run_logged_tees_every_line_and_returns_the_exit_status(tmp_path):
     seen = []
     code = "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"

@@ -131,12 +131,16 @@ def run_logged(cmd: list[str], env: dict[str, str] | None = None, log_path: Path
                           start_new_session=True) as proc:
 
         def pump() -> None:
-            for line in proc.stdout:
-                lines.append(line)
+            try:
+                for line in proc.stdout:
+                    lines.append(line)
+                    if log is not None:
+                        log.write(line)
+                    if on_line is not None:
+                        on_line(line)
+            finally:  # here, not in the caller: a process still holding the pipe may write after a join times out
                 if log is not None:
-                    log.write(line)
-                if on_line is not None:
-                    on_line(line)
+                    log.close()
 
         reader = threading.Thread(target=pump, name="main_ppo-output", daemon=True)
         reader.start()
@@ -149,11 +153,10 @@ def run_logged(cmd: list[str], env: dict[str, str] | None = None, log_path: Path
             with _sigint_ignored():
                 stop_process_group(proc)
             raise
+        else:  # what the child left in its group (Ray processes) would hold the output pipe open
+            stop_process_group(proc)
         finally:
             reader.join(timeout=GRACE_S)
-            if log is not None:
-                log.close()
-        stop_process_group(proc)  # anything the child left behind in its group (it exited already)
     return proc.returncode, "".join(lines)
 
 
