@@ -51,7 +51,7 @@ def _record_steps(trainer_cls, folder: Path) -> None:
         import transfer_queue as tq
 
         batch = upstream(self, batch, metrics)
-        fields = [f for f in PROBE_FIELDS if f != "ref_log_prob" or not self.amir.reference_free]
+        fields = [f for f in PROBE_FIELDS if f != "ref_log_prob" or self.use_reference_policy]
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         record = {name: _as_lists(data[name]) for name in fields}
         record["keys"] = list(batch.keys)
@@ -112,7 +112,8 @@ BETA, DELTA = 0.5, 0.05  # delta below the toy reward's 0.1 for a wrong digit: p
 
 
 def lora_run(assets, workdir: Path, steps: int, amir: list[str], monkeypatch) -> tuple[dict, dict]:
-    """main_ppo with the recipe's LoRA settings, a checkpoint every step and the probe.
+    """main_ppo on the toy task with the overrides ``amir`` (AMIR and LoRA; later overrides win, so the
+    recipe's ``kl_loss_coef`` replaces the toy run's 0), a checkpoint every step and the probe.
 
     Returns (verl's console metrics by step, the probe's records by step)."""
     from tests.e2e.test_main_ppo_cpu import train
@@ -257,11 +258,11 @@ def test_lora_reference_is_the_base_model_and_only_the_adapter_trains(assets, tm
 def test_lora_reference_free_with_merged_adapter_sync(assets, tmp_path, monkeypatch):
     """amir.reference=ref_free (the official code's choice) with LoRA, the adapter merged into the weights
     the rollout gets (lora.merge=True): l_ref = 0, amir/pref_loss from verl's old log-probs, the rollout
-    generates with the merged weights."""
+    generates with the merged weights of the updated actor."""
     from amir_verl.cpu.quickstart import amir_overrides
 
     amir = amir_overrides("amir_grpo", reference="ref_free", beta_dpo=BETA, delta_r=DELTA) + recipe_lora_overrides() + [
-        "+actor_rollout_ref.model.lora.merge=True", "actor_rollout_ref.rollout.layered_summon=False"]
+        "actor_rollout_ref.model.lora.merge=True", "actor_rollout_ref.rollout.layered_summon=False"]
     metrics, records = lora_run(assets, tmp_path / "ref_free", 2, amir, monkeypatch)
     for step, record in records.items():
         assert record[FIELD_REF_SEQ_LOGP] == [0.0] * len(record["keys"])
@@ -269,8 +270,12 @@ def test_lora_reference_free_with_merged_adapter_sync(assets, tmp_path, monkeypa
         expected, pairs = brute_force_pref_loss(record, l_theta, torch.zeros_like(l_theta))
         assert metrics[step]["amir/num_pairs"] == pairs > 0
         assert metrics[step]["amir/pref_loss"] == pytest.approx(expected, rel=1e-5)
-    assert metrics[2]["actor/kl_loss"] > 0  # the adapter moved the policy (verl's KL still uses the base model)
-    assert metrics[2]["training/rollout_probs_diff_max"] < 1e-5  # the rollout got the merged update
+    # The rollout follows the trained actor: verl hands merged weights over in bfloat16, so the rollout's
+    # token probabilities differ from the actor's by rounding, far less than the update moved them from
+    # the base model (verl's reference log-probs, which it still computes for the KL loss).
+    moved = max(float((torch.tensor(old).exp() - torch.tensor(ref).exp()).abs().max())
+                for old, ref in zip(records[2]["old_log_probs"], records[2]["ref_log_prob"]))
+    assert metrics[2]["training/rollout_probs_diff_max"] < moved / 10, moved
 
 
 # ---- the hf rollout's adapter sync, without main_ppo ----------------------------------------------------
