@@ -69,8 +69,10 @@ for _mode in AMIR_LOSS_MODES:
 
 
 def base_actor_config(config: ActorConfig, base_loss_mode: str) -> ActorConfig:
-    """The run's actor config with ``policy_loss.loss_mode`` replaced by the base mode (a copy)."""
-    return dataclasses.replace(config, policy_loss=dataclasses.replace(config.policy_loss, loss_mode=base_loss_mode))
+    """The run's actor config with ``policy_loss.loss_mode`` replaced by the base mode (a copy, with its own
+    ``global_batch_info``, which verl's ``ppo_loss`` fills in per micro-batch)."""
+    return dataclasses.replace(config, policy_loss=dataclasses.replace(config.policy_loss, loss_mode=base_loss_mode),
+                               global_batch_info={})
 
 
 def _dense(x: torch.Tensor) -> torch.Tensor:

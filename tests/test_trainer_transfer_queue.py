@@ -52,7 +52,8 @@ def make_trainer(overrides):
         GRPO
         + ["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "trainer.v1.trainer_mode=amir",
            "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.rollout.n=1",
-           "actor_rollout_ref.actor.ppo_mini_batch_size=24", "+amir.lambda_rule=fixed", f"+amir.lambda_init={LAMBDA}"]
+           "actor_rollout_ref.actor.ppo_mini_batch_size=24", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
+           "+amir.lambda_rule=fixed", f"+amir.lambda_init={LAMBDA}"]
         + overrides
     )
     OmegaConf.resolve(config)
