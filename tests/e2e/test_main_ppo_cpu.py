@@ -63,7 +63,8 @@ def assert_same(a: dict, b: dict, keys, steps):
 def test_amir_gspo_switch_runs_and_its_base_part_is_gspo(assets, tmp_path):
     gspo = train(assets, tmp_path / "gspo", 2, GSPO_FLAGS + ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"])
     amir = train(assets, tmp_path / "amir_gspo", 2,
-                 GSPO_FLAGS + amir_overrides("amir_gspo", reference="ref_free", lambda_init=0.05))
+                 GSPO_FLAGS + amir_overrides("amir_gspo", reference="ref_free", lambda_rule="fixed",
+                                             lambda_init=0.05, delta_r=0.05))  # pairs from step 1: format credit
     # step 1: same weights and rollouts, so the policy-gradient part (actor/pg_loss) is GSPO's
     assert_same(gspo, amir, ["actor/pg_loss", "critic/score/mean", "actor/pg_clipfrac"], [1])
     assert amir[1]["amir/num_pairs"] > 0 and amir[1]["amir/lambda"] == 0.05
