@@ -83,7 +83,8 @@ def test_resume_restores_lambda_and_continues_identically(assets, tmp_path):
     shutil.copytree(tmp_path / "full" / "checkpoints" / "global_step_2", resumed_dir / "checkpoints" / "global_step_2")
     (resumed_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
     state = json.loads((resumed_dir / "checkpoints" / "global_step_2" / "amir_state.json").read_text())
-    assert state["lambda_controller"]["value"] == pytest.approx(full[3]["amir/lambda"])
+    # the controller picks each step's lambda before its update, from the saved value and that step's signal
+    assert state["lambda_controller"]["value"] == pytest.approx(full[2]["amir/lambda"])
     resumed = train(assets, resumed_dir, 4, amir, save_freq=2)
     assert sorted(resumed) == [3, 4]
     assert_same(full, resumed, BASE_METRICS + ["amir/lambda", "amir/pref_loss", "amir/num_pairs"], [3, 4])
