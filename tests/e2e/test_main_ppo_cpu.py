@@ -95,7 +95,7 @@ def test_two_ranks_and_micro_batches_report_the_brute_force_preference_loss(asse
     tokens (about 3 samples) over groups of 8, the recipes' layout: groups split everywhere. verl's
     logged amir/pref_loss at step 1 equals J_pref recomputed from the dumped rollouts by definition."""
     dump = tmp_path / "rollouts"
-    beta, delta = 0.5, 0.5
+    beta, delta = 0.5, 0.05  # pairs from step 1 on the toy reward's format credit
     metrics = train(
         assets, tmp_path / "dp2", 1,
         amir_overrides("amir_grpo", reference="ref_free", beta_dpo=beta, delta_r=delta)
