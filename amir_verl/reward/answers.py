@@ -94,18 +94,19 @@ def boxed_contents(text: str) -> list[str]:
     return found
 
 
+def _unwrap_math_mode(text: str) -> str:
+    for left, right in (("$$", "$$"), ("\\[", "\\]"), ("\\(", "\\)"), ("$", "$")):
+        if text.startswith(left) and text.endswith(right) and len(text) >= len(left) + len(right):
+            text = text[len(left) : len(text) - len(right)].strip()
+    return text
+
+
 def strip_delimiters(text: str) -> str:
-    """Remove math-mode delimiters, a lead-in phrase ("The answer is"), and trailing punctuation."""
-    text = text.strip()
-    for left, right in (("$$", "$$"), ("\\[", "\\]"), ("\\(", "\\)"), ("$", "$")):
-        if text.startswith(left) and text.endswith(right) and len(text) >= len(left) + len(right):
-            text = text[len(left) : len(text) - len(right)].strip()
-    text = _LEAD_IN.sub("", text, count=1).strip()
+    """Remove math-mode delimiters, a lead-in phrase ("The answer is"), markdown emphasis, and trailing
+    punctuation (delimiters may stand on either side of the lead-in: "$The answer is 5$", "Answer: $5$")."""
+    text = _LEAD_IN.sub("", _unwrap_math_mode(text.strip()), count=1).strip()
     text = _MARKDOWN.sub(r"\1", text).strip()  # **42**, `42`
-    for left, right in (("$$", "$$"), ("\\[", "\\]"), ("\\(", "\\)"), ("$", "$")):
-        if text.startswith(left) and text.endswith(right) and len(text) >= len(left) + len(right):
-            text = text[len(left) : len(text) - len(right)].strip()
-    return text.rstrip(" .;!").strip()
+    return _unwrap_math_mode(text).rstrip(" .;!").strip()
 
 
 def answer_values(answer: str) -> list[str] | None:
@@ -123,7 +124,7 @@ def answer_values(answer: str) -> list[str] | None:
 
 def _plain_text(text: str) -> str:
     """``\\text{ or }`` -> `` or `` so that hedges written in LaTeX text are seen."""
-    return re.sub(r"\\(?:" + "|".join(_WRAPPER_COMMANDS) + r")\s*\{([^{}]*)\}", r" \1 ", text)
+    return _TEXT_COMMANDS.sub(r" \1 ", text)
 
 
 # ----------------------------------------------------------------------------- numeric (GSM8K)
