@@ -219,3 +219,10 @@ def _shutdown() -> None:
     if pool is not None and _pool_pid == os.getpid():
         pool.stop()
         pool.join(timeout=5)
+    # A helper that replaces a timed-out one may still be starting: were it left running past this process's
+    # exit, it would fail to unpickle the pool's semaphores (already unlinked) and print a traceback.
+    with _main_lock:  # held by every helper start (_HelperProcess.start): none is half-way now
+        for child in multiprocessing.active_children():
+            if isinstance(child, _HelperProcess):
+                child.kill()
+                child.join(1)
