@@ -18,6 +18,7 @@ setup(
         "datasets",
         "math-verify>=0.7",
         "pebble>=5.1",  # the grader's math-verify helper pool: per-call timeouts, helpers survive errors
+        "wrapt>=1.14",  # post-import hooks: the plugin registers in verl's registries when verl imports them
         "pandas",
         "pyarrow",
         "matplotlib>=3.8",

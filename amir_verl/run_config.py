@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 
 from omegaconf import DictConfig
-from verl.trainer.ppo.utils import need_reference_policy
 
 from amir_verl.config import CONFIG_NAMESPACE, AmirConfig
 
@@ -54,6 +53,8 @@ def resolve_base_loss_mode(loss_mode: str, amir: AmirConfig) -> str:
 
 def validate_amir_run(config: DictConfig) -> AmirConfig:
     """Return the run's :class:`AmirConfig`, or raise ``ValueError`` naming the key or override to fix."""
+    from verl.trainer.ppo.utils import need_reference_policy  # imports the trainer stack: not at plugin load
+
     loss_mode = config.actor_rollout_ref.actor.policy_loss.get("loss_mode", "vanilla")
     if loss_mode not in AMIR_LOSS_MODES:
         raise ValueError(

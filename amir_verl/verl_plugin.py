@@ -1,15 +1,22 @@
 """Entry point of the ``verl.plugins`` group: verl imports this module in every process that imports verl.
 
-With ``AMIR_VERL_CPU=1`` it first switches the process to the CPU backend (:mod:`amir_verl.cpu`).
-It registers, in verl's own registries, the policy-loss modes ``amir_grpo`` / ``amir_gspo``
-(:mod:`amir_verl.actor_loss`), the reward-loop manager ``amir_calibrated`` (:mod:`amir_verl.reward.manager`)
-and the V1 trainer mode ``amir`` (:mod:`amir_verl.trainer`).
+verl loads it from its own ``__init__`` (``import verl``), so it stays light: it imports no verl module
+that ``import verl`` has not already imported. With ``AMIR_VERL_CPU=1`` it first switches the process to
+the CPU backend (:mod:`amir_verl.cpu`; heavy, only under that switch). It then wraps verl's
+``validate_config`` (:func:`amir_verl.run_config.install_early_config_check`) and registers AMIR in
+verl's registries lazily: a post-import hook (``wrapt.register_post_import_hook``) on each verl module
+that owns a registry imports the AMIR module that registers there, once that verl module has finished
+importing, or at once when it already has. A lookup has to import the registry's module first, so the
+entries are there whenever verl can look them up, in every process (:data:`REGISTRATIONS`).
 
 verl swallows plugin import errors at DEBUG level, so a failure here would only show up later as
 "Unsupported loss mode"; ``python -m amir_verl.verl_plugin`` imports it loudly to check an install.
 """
 
+import importlib
 import os
+
+import wrapt
 
 if os.environ.get("AMIR_VERL_CPU", "") == "1":  # debug on CPU: explicit opt-in, never on a GPU run
     from amir_verl.cpu import activate_cpu_backend
@@ -20,13 +27,32 @@ from amir_verl.run_config import install_early_config_check  # noqa: E402
 
 install_early_config_check()  # AMIR config errors stop main_ppo on the driver, before Ray starts
 
-import amir_verl.actor_loss  # noqa: F401,E402  (registers the policy-loss modes)
-import amir_verl.reward.manager  # noqa: F401,E402  (registers reward manager "amir_calibrated")
-import amir_verl.trainer  # noqa: F401,E402  (registers trainer mode "amir")
+# verl module that owns a registry -> the AMIR module whose import registers there. The hooks sit on the
+# packages whose __init__ imports the registry and its users (``verl.trainer.ppo.v1`` imports
+# ``trainer_base`` and ``trainer_sync``, which AmirPPOTrainer subclasses), so the AMIR module finds them
+# complete; ``TaskRunnerV1.run`` and ``resolve_reward_manager_cls`` import those packages before looking up.
+REGISTRATIONS = {
+    "verl.trainer.ppo.core_algos": "amir_verl.loss_modes",  # policy-loss modes amir, amir_grpo, amir_gspo
+    "verl.experimental.reward_loop.reward_manager": "amir_verl.reward.manager",  # reward manager amir_calibrated
+    "verl.trainer.ppo.v1": "amir_verl.trainer",  # V1 trainer mode amir
+}
+
+
+def _importer(module_name: str):
+    def import_registering_module(_verl_module) -> None:
+        importlib.import_module(module_name)
+
+    return import_registering_module
+
+
+for _verl_module, _amir_module in REGISTRATIONS.items():
+    wrapt.register_post_import_hook(_importer(_amir_module), _verl_module)
 
 if __name__ == "__main__":
+    from verl.experimental.reward_loop.reward_manager.registry import REWARD_MANAGER
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
 
     print("policy losses:", ", ".join(m for m in POLICY_LOSS_REGISTRY if m.startswith("amir")))
     print("trainer modes:", ", ".join(sorted(TRAINER_REGISTRY)))
+    print("reward managers:", ", ".join(m for m in REWARD_MANAGER if m.startswith("amir")))

@@ -93,20 +93,70 @@ def test_amir_loss_mode_without_the_amir_trainer_fails_loudly():
         get_policy_loss_fn("amir_grpo")(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2))
 
 
-def test_a_fresh_process_gets_the_plugin_from_verl_alone():
-    """No import of amir_verl, no env var: installing the package is enough (``verl.plugins`` entry point)."""
+# verl modules that own a registry AMIR registers in, and the AMIR modules that register there
+# (amir_verl.verl_plugin.REGISTRATIONS, written out so that the test does not trust the code under test)
+REGISTRY_MODULES = ("verl.trainer.ppo.core_algos", "verl.trainer.ppo.v1", "verl.experimental.reward_loop.reward_manager")
+AMIR_REGISTERING_MODULES = ("amir_verl.loss_modes", "amir_verl.trainer", "amir_verl.reward.manager")
+REGISTRY_CHECKS = (
+    "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, get_policy_loss_fn\n"
+    "print(sorted(m for m in POLICY_LOSS_REGISTRY if m.startswith('amir')))\n"
+    "print(get_policy_loss_fn('amir').__name__)\n"
+    "from verl.trainer.ppo.v1 import get_trainer_cls\n"
+    "print(get_trainer_cls('amir').__qualname__)\n"
+    "from verl.experimental.reward_loop.reward_manager import get_reward_manager_cls\n"
+    "print(get_reward_manager_cls('amir_calibrated').__qualname__)\n"
+)
+REGISTERED = ["['amir', 'amir_grpo', 'amir_gspo']", "amir_registry_entry_amir", "AmirPPOTrainer",
+              "AmirCalibratedRewardManager"]
+
+
+def run_fresh_python(code: str, **env_overrides: str) -> list[str]:
+    """stdout lines of ``python -c code`` in a fresh interpreter with the installed package and no
+    plugin switches (``VERL_USE_EXTERNAL_*``, ``AMIR_VERL_CPU``) unless given."""
     import os
     import subprocess
     import sys
 
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VERL_USE_EXTERNAL_MODULES", "VERL_USE_EXTERNAL_PLUGINS", "AMIR_VERL_CPU")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, **env_overrides},
+                         cwd="/", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()
+
+
+def test_import_verl_loads_the_plugin_but_not_the_trainer_stack():
+    """No import of amir_verl, no env var: installing the package is enough (``verl.plugins`` entry point).
+    ``import verl`` must stay cheap (every Ray worker pays it): the registries' modules, and the AMIR
+    modules that register in them, load only when something imports them."""
     code = (
-        "import sys, verl, verl.trainer.main_ppo as m\n"
-        "assert getattr(m.validate_config, '_amir_checked', False), 'main_ppo did not bind the checked validate_config'\n"
-        "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY\n"
-        "from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY\n"
-        "print('amir_grpo' in POLICY_LOSS_REGISTRY, 'amir_gspo' in POLICY_LOSS_REGISTRY, 'amir' in TRAINER_REGISTRY)\n"
+        "import sys, verl\n"
+        f"print([m for m in {REGISTRY_MODULES + AMIR_REGISTERING_MODULES} + ('verl.trainer.ppo.v1.trainer_base',)"
+        " if m in sys.modules])\n"
+        "print('amir_verl.verl_plugin' in sys.modules)\n"
+        + REGISTRY_CHECKS
+        + "import verl.trainer.main_ppo as m\n"
+        "print(getattr(m.validate_config, '_amir_checked', False))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "VERL_USE_EXTERNAL_MODULES"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/", timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "True True True"
+    assert run_fresh_python(code)[-7:] == ["[]", "True", *REGISTERED, "True"]
+
+
+def test_loss_modes_register_when_verls_loss_module_imports_core_algos():
+    """``verl.workers.utils.losses`` imports ``core_algos`` half-way through its own import: the hook must
+    not need ``losses`` (the circular import a registration inside amir_verl.actor_loss would hit)."""
+    code = "import verl, verl.workers.utils.losses\n" + REGISTRY_CHECKS
+    assert run_fresh_python(code)[-4:] == REGISTERED
+
+
+def test_registries_imported_before_the_plugin_get_the_entries_at_once():
+    """With ``AMIR_VERL_CPU=1`` the CPU backend imports the V1 trainer before the hooks exist; a hook on a
+    module already imported must register at once. Here verl loads no plugin; the test imports it last."""
+    code = (
+        "import importlib, sys, verl\n"
+        f"for name in {REGISTRY_MODULES}: importlib.import_module(name)\n"
+        "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY\n"
+        f"print('amir' in POLICY_LOSS_REGISTRY, [m for m in {AMIR_REGISTERING_MODULES} if m in sys.modules])\n"
+        "import amir_verl.verl_plugin\n"
+        + REGISTRY_CHECKS
+    )
+    assert run_fresh_python(code, VERL_USE_EXTERNAL_PLUGINS="none")[-5:] == ["False []", *REGISTERED]

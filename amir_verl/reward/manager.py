@@ -3,7 +3,8 @@
 verl 0.9.1's ``NaiveRewardManager`` decodes each response and calls a score function; this manager is
 that one with :func:`amir_verl.reward.calibrated.compute_score` as the score function and its weights
 read from verl's config, ``reward.reward_kwargs.{w_corr, w_fmt, w_calib, math_timeout_s, math_workers}`` (the place
-verl's DAPO manager reads its own keys). Registered in verl's reward-loop registry on plugin load.
+verl's DAPO manager reads its own keys). Importing this module registers it in verl's reward-loop registry;
+:mod:`amir_verl.verl_plugin` imports it once verl imports that registry.
 """
 
 from __future__ import annotations
