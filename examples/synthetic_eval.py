@@ -4,8 +4,8 @@
 
 Writes verl validation dumps with verl's own writer: base, GRPO, AMIR (the same 3 x 40 problems, 8 samples
 each, drawn with increasing skill and decreasing overconfidence), and two toy-task runs with a tiny local
-model for the log-prob analyses; then runs the Table 1 form and every comparison figure. The numbers are
-synthetic: they show the output format, not any result.
+model for the log-prob analyses; then runs pass@k in the Table 1 form (GRPO -> AMIR) and for all three
+runs, and every comparison figure. The numbers are synthetic: they show the output format, not any result.
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def main() -> None:
            "--model", f"GRPO={model}", "--model", f"AMIR={model}"]
     out = ["--out", str(args.out), "--overwrite"]
     commands = [
-        ["passk", "--base", runs["GRPO"], "--other", runs["AMIR"], "--out", str(args.out / "table1"), "--overwrite"],
+        ["passk", "--run", runs["GRPO"], "--run", runs["AMIR"], *out],
+        ["passk", "--run", runs["base"], "--run", runs["GRPO"], "--run", runs["AMIR"], *out],
         ["calibration", "--run", runs["GRPO"], "--run", runs["AMIR"], *out],
         ["lengths", "--run", runs["GRPO"], "--run", runs["AMIR"], *out],
         ["coverage", "--run", runs["base"], "--run", runs["GRPO"], "--run", runs["AMIR"], *out],

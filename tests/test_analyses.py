@@ -171,4 +171,5 @@ def test_synthetic_example_runs_every_command(tmp_path):
     for name in ("calibration_GRPO_vs_AMIR", "lengths_GRPO_vs_AMIR", "coverage_base_vs_GRPO_vs_AMIR",
                  "margin_GRPO_vs_AMIR", "perplexity_GRPO_vs_AMIR"):
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000 and (tmp_path / f"{name}.csv").exists()
-    assert "| AIME 2025 |" in (tmp_path / "table1.md").read_text()
+    assert "| AIME 2025 |" in (tmp_path / "passk_GRPO_vs_AMIR.md").read_text()
+    assert "| AIME 2025 |" in (tmp_path / "passk_base_vs_GRPO_vs_AMIR.md").read_text()

@@ -1,12 +1,13 @@
 """``amir-eval``: evaluation of verl validation dumps (or plain JSONL) in the paper's form.
 
-    amir-eval passk --base GRPO=outputs/qwen2.5-3b_grpo/validation --other AMIR=outputs/qwen2.5-3b_amir_grpo/validation \\
-        [--k 1 2 4] [--step N] [--out table1]
+    amir-eval passk --run GRPO=outputs/qwen2.5-3b_grpo/validation --run AMIR=outputs/qwen2.5-3b_amir_grpo/validation \\
+        [--k 1 2 4] [--step N] [--out DIR]
 
-prints the unbiased pass@k per benchmark as "GRPO -> AMIR (+gain)" and writes ``<out>.csv`` and
-``<out>.md`` (``--base NAME=PATH`` alone: one run's pass@k). The analyses
-(:mod:`amir_verl.evaluation.analyses`) draw every ``--run`` in one figure and write
-``<out>/<analysis>_<run>_vs_<run>...{.csv,.png}``:
+prints the unbiased pass@k per benchmark, the first run the baseline: one run's pass@k; for two runs the
+paper's Table 1 form "GRPO -> AMIR (+gain)"; for more, a column group per k with each run's pass@k and its
+gain in points over the first. The analyses (:mod:`amir_verl.evaluation.analyses`) draw every ``--run`` in
+one figure. Every command writes ``<out>/<command>_<run>_vs_<run>...`` (passk: ``.csv`` and ``.md``, only
+with ``--out``; the analyses: ``.csv`` and ``.png``):
 
     amir-eval calibration --run GRPO=PATH --run AMIR=PATH --out DIR
     amir-eval lengths     --run GRPO=PATH --run AMIR=PATH --out DIR [--tokenizer MODEL]
@@ -29,13 +30,12 @@ from pathlib import Path
 import pandas as pd
 
 from amir_verl.evaluation.passk import (
-    DISPLAY_NAMES,
     EvaluationError,
     align_runs,
     benchmark_pass_at_k,
-    benchmark_sort_key,
     comparison_rows,
-    table1_markdown,
+    passk_csv_rows,
+    passk_markdown,
 )
 from amir_verl.evaluation.records import load_run
 
@@ -84,42 +84,24 @@ def _load_runs(args, pairs: list[tuple[str, str]]) -> dict[str, list]:
 
 def run_passk(args) -> int:
     ks = sorted(set(args.k))
-    pairs = [args.base] + ([args.other] if args.other else [])
-    runs = _load_runs(args, pairs)
-    results = {name: benchmark_pass_at_k(samples, ks) for name, samples in runs.items()}
-    base_name, base = args.base[0], results[args.base[0]]
-    if args.other is None:
-        lines = [f"| Benchmark ({base_name}) | " + " | ".join(f"pass@{k}" for k in ks) + " |",
-                 "|---" * (len(ks) + 1) + "|"]
-        sources = sorted(base, key=benchmark_sort_key)
-        rows = [(DISPLAY_NAMES.get(source, source), k, 100 * base[source][k]) for source in sources for k in ks]
-        for source in sources:
-            cells = " | ".join(f"{100 * base[source][k]:.1f}" for k in ks)
-            lines.append(f"| {DISPLAY_NAMES.get(source, source)} | {cells} |")
-        header = ["benchmark", "k", f"{base_name}_pass_at_k_pct"]
-        csv_rows = [(name, k, f"{b:.4f}") for name, k, b in rows]
-    else:
-        other_name = args.other[0]
-        rows = comparison_rows(base, results[other_name], ks)
-        if not rows:
-            raise EvaluationError(f"{base_name} and {other_name} share no benchmark")
-        lines = table1_markdown(rows, ks, base_name, other_name).splitlines()
-        header = ["benchmark", "k", f"{base_name}_pass_at_k_pct", f"{other_name}_pass_at_k_pct", "gain_pts"]
-        csv_rows = [(name, k, f"{b:.4f}", f"{o:.4f}", f"{g:+.4f}") for name, k, b, o, g in rows]
-    table = "\n".join(lines)
+    runs = _load_runs(args, args.run)
+    results = {}
+    for name, samples in runs.items():
+        try:
+            results[name] = benchmark_pass_at_k(samples, ks)
+        except EvaluationError as error:
+            raise EvaluationError(f"{name}: {error}") from None
+    rows = comparison_rows(results, ks)
+    if not rows:
+        raise EvaluationError(f"runs {', '.join(runs)} share no benchmark")
+    paths = _outputs(args, "passk", list(runs), (".csv", ".md")) if args.out else ()
+    table = passk_markdown(rows, ks, list(runs))
     print(table)
-    if args.out:
-        out = Path(args.out)
-        md, csv_path = out.with_suffix(".md"), out.with_suffix(".csv")
-        existing = [str(p) for p in (md, csv_path) if p.exists()]
-        if existing and not args.overwrite:
-            raise EvaluationError(f"{', '.join(existing)} exist(s); --overwrite replaces, or choose another --out")
-        out.parent.mkdir(parents=True, exist_ok=True)
+    if paths:
+        csv_path, md = paths
         md.write_text(table + "\n", encoding="utf-8")
         with csv_path.open("w", newline="", encoding="utf-8") as f:
-            writer = csv.writer(f)
-            writer.writerow(header)
-            writer.writerows(csv_rows)
+            csv.writer(f).writerows(passk_csv_rows(rows, list(runs)))
         _written(csv_path, md)
     return 0
 
@@ -236,23 +218,20 @@ def build_parser() -> argparse.ArgumentParser:
                               "(default: the dump's file); repeat")
         cmd.add_argument("--overwrite", action="store_true", help="replace existing output files")
 
-    passk = sub.add_parser("passk", help="unbiased pass@k per benchmark, Table 1 form for two runs")
-    passk.add_argument("--base", type=_named, required=True, help="NAME=PATH (verl dump folder/file or JSONL)")
-    passk.add_argument("--other", type=_named, help="NAME=PATH of the run to compare")
-    passk.add_argument("--k", type=int, nargs="+", default=[1, 2, 4])
-    passk.add_argument("--out", help="write <out>.csv and <out>.md")
-    reading(passk)
-    passk.set_defaults(func=run_passk)
-
-    def analysis(name: str, help: str, func):
+    def analysis(name: str, help: str, func, out_required: bool = True):
         cmd = sub.add_parser(name, help=help)
         cmd.add_argument("--run", type=_named, action="append", required=True, metavar="NAME=PATH",
-                         help="a run to draw (verl dump folder/file or JSONL); repeat to compare")
-        cmd.add_argument("--out", required=True, help="folder for <analysis>_<runs>.csv and .png")
+                         help="a run (verl dump folder/file or JSONL); repeat to compare, the first is passk's baseline")
+        cmd.add_argument("--out", required=out_required, metavar="DIR",
+                         help="folder for <command>_<run>_vs_<run>... files (.csv and .png; passk: .csv and .md, "
+                              "without --out passk only prints)")
         reading(cmd)
         cmd.set_defaults(func=func)
         return cmd
 
+    analysis("passk", "unbiased pass@k per benchmark: Table 1 form for two runs, gains over the first for more",
+             run_passk, out_required=False).add_argument(
+        "--k", type=int, nargs="+", default=[1, 2, 4], help="the k of pass@k, each 1 <= k <= samples per problem")
     analysis("calibration", "Brier score, ECE and reliability diagram", run_calibration).add_argument(
         "--bins", type=int, default=10)
     analysis("lengths", "length of incorrect (and correct) responses", run_lengths).add_argument(

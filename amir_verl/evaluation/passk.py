@@ -117,23 +117,45 @@ def benchmark_sort_key(benchmark: str) -> tuple[int, str]:
     return len(DISPLAY_NAMES), benchmark
 
 
-def comparison_rows(base: dict[str, dict[int, float]], other: dict[str, dict[int, float]], ks: list[int]):
-    """Rows (benchmark, k, base %, other %, gain in points) for the benchmarks both runs have."""
-    rows = []
-    for source in sorted(base.keys() & other.keys(), key=benchmark_sort_key):
-        for k in ks:
-            b, o = 100 * base[source][k], 100 * other[source][k]
-            rows.append((DISPLAY_NAMES.get(source, source), k, b, o, o - b))
-    return rows
+def comparison_rows(results: dict[str, dict[str, dict[int, float]]], ks: list[int]) -> list[tuple[str, int, list[float]]]:
+    """Rows (benchmark, k, [pass@k in % of each run, in the order of ``results``]) for the benchmarks every
+    run has, in the paper's order; ``results`` is {run: {data_source: {k: pass@k}}}."""
+    shared = set.intersection(*(set(per_source) for per_source in results.values()))
+    return [(DISPLAY_NAMES.get(source, source), k, [100 * per_source[source][k] for per_source in results.values()])
+            for source in sorted(shared, key=benchmark_sort_key) for k in ks]
 
 
-def table1_markdown(rows, ks: list[int], base_name: str, other_name: str) -> str:
-    """The paper's Table 1 layout: one row per benchmark, one column per k, cells "base -> other (+gain)"."""
-    header = f"| Benchmark ({base_name} -> {other_name}) | " + " | ".join(f"pass@{k}" for k in ks) + " |"
-    lines = [header, "|---" * (len(ks) + 1) + "|"]
+def _cells(percents: list[float]) -> str:
+    """One k's cell(s) of a row, the first run the baseline: one run "12.5"; two the paper's
+    "12.5 -> 37.5 (+25.0)"; more one cell per run, "12.5 | 37.5 (+25.0) | 75.0 (+62.5)"."""
+    base, others = percents[0], percents[1:]
+    if len(others) == 1:
+        return f"{base:.1f} -> {others[0]:.1f} ({others[0] - base:+.1f})"
+    return " | ".join([f"{base:.1f}"] + [f"{other:.1f} ({other - base:+.1f})" for other in others])
+
+
+def passk_markdown(rows, ks: list[int], names: list[str]) -> str:
+    """One row per benchmark of ``comparison_rows``. One run: a column per k. Two: the paper's Table 1
+    layout, a column per k with cells "base -> other (+gain)". More: a column group per k with a column
+    per run, each run after the first with its gain in points over the first."""
+    if len(names) <= 2:
+        first, columns = f"Benchmark ({' -> '.join(names)})", [f"pass@{k}" for k in ks]
+    else:
+        first, columns = f"Benchmark (gain over {names[0]}, points)", [f"{name} pass@{k}" for k in ks for name in names]
+    lines = [f"| {first} | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     cells: dict[str, dict[int, str]] = defaultdict(dict)
-    for name, k, b, o, gain in rows:
-        cells[name][k] = f"{b:.1f} -> {o:.1f} ({gain:+.1f})"
-    for name, per_k in cells.items():
-        lines.append(f"| {name} | " + " | ".join(per_k[k] for k in ks) + " |")
+    for benchmark, k, percents in rows:
+        cells[benchmark][k] = _cells(percents)
+    for benchmark, per_k in cells.items():
+        lines.append(f"| {benchmark} | " + " | ".join(per_k[k] for k in ks) + " |")
     return "\n".join(lines)
+
+
+def passk_csv_rows(rows, names: list[str]) -> list[list[str]]:
+    """Header and one line per (benchmark, k) of ``comparison_rows``: every run's pass@k in %, then the gain
+    in points of each run after the first over the first."""
+    base = names[0]
+    header = (["benchmark", "k"] + [f"{name}_pass_at_k_pct" for name in names]
+              + [f"{name}_gain_over_{base}_pts" for name in names[1:]])
+    return [header] + [[benchmark, str(k)] + [f"{p:.4f}" for p in percents]
+                       + [f"{p - percents[0]:+.4f}" for p in percents[1:]] for benchmark, k, percents in rows]
