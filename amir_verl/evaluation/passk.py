@@ -1,4 +1,4 @@
-"""Unbiased pass@k (Chen et al. 2021) and the paper's Table 1 form (pure python).
+"""Unbiased pass@k (Chen et al. 2021) and its tables: the paper's Table 1 form for two runs (pure python).
 
     pass@k = mean over problems of [1 - C(n - c, k) / C(n, k)]
 
