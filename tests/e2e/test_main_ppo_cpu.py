@@ -71,12 +71,30 @@ def test_amir_gspo_switch_runs_and_its_base_part_is_gspo(assets, tmp_path):
     assert amir[1]["actor/grad_norm"] != pytest.approx(gspo[1]["actor/grad_norm"], rel=1e-6)  # the term acted
 
 
-def test_resume_restores_lambda_and_continues_identically(assets, tmp_path):
+def test_two_mini_batches_each_get_their_share_and_resume_restores_lambda_identically(assets, tmp_path):
+    """Two mini-batches per step (2 optimizer steps), lambda moved by the grad_share rule, a checkpoint
+    every 2 steps; then a run resumed from step 2 continues exactly as the full run did.
+
+    The actor loss logs, per optimizer step, the term it added (``actor/amir_pref_term``: verl averages
+    it over the optimizer steps; ``..._min``: the smallest) and the paired sequences it held
+    (``actor/amir_paired_sequences_min``: the fewest). Decided from the weight lambda * M * dp / P before
+    running: an optimizer step receives a positive share exactly when it holds a paired sequence, and
+    the shares average to about lambda * (-J_pref) (each is its sequences' part of the whole-batch term,
+    times M = 2; the second step's sequences have moved by one optimizer step). Without the factor M the
+    average would be half that."""
     amir = amir_overrides("amir_grpo", lambda_init=0.02, lambda_min=0.005, lambda_max=0.5, beta_dpo=0.5,
-                          reference="ref_free")
-    full = train(assets, tmp_path / "full", 4, amir, save_freq=2)
+                          delta_r=0.05, reference="ref_free")  # delta below format credit: pairs in most groups
+    two_mini_batches = ["actor_rollout_ref.actor.ppo_mini_batch_size=4"]  # 8 prompts per step
+    full = train(assets, tmp_path / "full", 4, amir + two_mini_batches, save_freq=2)
+    assert "AMIR: 2 mini-batch(es) x 1 epoch(s) per step" in (tmp_path / "full" / "main_ppo.log").read_text()
     lambdas = [full[s]["amir/lambda"] for s in (1, 2, 3, 4)]
     assert len(set(lambdas)) > 1, lambdas  # lambda moved, so restoring it matters
+    with_pairs = {s: m for s, m in full.items() if m["amir/num_pairs"] > 0}  # else the term is off, unlogged
+    assert any(m["actor/amir_paired_sequences_min"] > 0 for m in with_pairs.values()), \
+        "no step had pairs in both mini-batches: the share check below would be vacuous"
+    for step, m in with_pairs.items():
+        assert (m["actor/amir_pref_term_min"] > 0) == (m["actor/amir_paired_sequences_min"] > 0), step
+        assert m["actor/amir_pref_term"] == pytest.approx(m["amir/lambda"] * m["amir/pref_loss"], rel=0.15), step
 
     resumed_dir = tmp_path / "resumed"
     (resumed_dir / "checkpoints").mkdir(parents=True)
@@ -85,7 +103,7 @@ def test_resume_restores_lambda_and_continues_identically(assets, tmp_path):
     state = json.loads((resumed_dir / "checkpoints" / "global_step_2" / "amir_state.json").read_text())
     # the controller picks each step's lambda before its update, from the saved value and that step's signal
     assert state["lambda_controller"]["value"] == pytest.approx(full[2]["amir/lambda"])
-    resumed = train(assets, resumed_dir, 4, amir, save_freq=2)
+    resumed = train(assets, resumed_dir, 4, amir + two_mini_batches, save_freq=2)
     assert sorted(resumed) == [3, 4]
     assert_same(full, resumed, BASE_METRICS + ["amir/lambda", "amir/pref_loss", "amir/num_pairs"], [3, 4])
 
