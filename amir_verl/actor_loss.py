@@ -1,16 +1,12 @@
-"""Worker side of the verl glue: the ``amir`` policy-loss modes and the actor loss.
+"""Worker side of the verl glue: the AMIR actor loss.
 
-What it hooks in verl 0.9.1:
-- ``verl.trainer.ppo.core_algos.register_policy_loss``: registers ``amir`` and its paper aliases
-  ``amir_grpo`` (base ``vanilla``) and ``amir_gspo`` (base ``gspo``), so that
-  ``actor_rollout_ref.actor.policy_loss.loss_mode=amir`` passes verl's config checks. These registry
-  entries are NOT the loss and refuse to run: a verl policy loss only sees log-probs, advantages and a
-  mask, so it cannot compute the pair term. The loss is :func:`amir_ppo_loss`.
-- ``ActorRolloutRefWorker.set_loss_fn`` (called by :class:`amir_verl.trainer.AmirPPOTrainer`):
-  installs :func:`amir_ppo_loss`, which calls verl's own ``ppo_loss`` with the base loss mode
-  (``amir.base_loss_mode``; any mode of verl's registry) and adds this micro-batch's share of
-  ``lambda * (-J_pref)`` from the per-sample fields the driver computed (:mod:`amir_verl.step_batch`).
-  No extra forward pass, no graph kept past the micro-batch.
+``ActorRolloutRefWorker.set_loss_fn`` (called by :class:`amir_verl.trainer.AmirPPOTrainer`) installs
+:func:`amir_ppo_loss`, which calls verl's own ``ppo_loss`` with the base loss mode
+(``amir.base_loss_mode``; any mode of verl's registry) and adds this micro-batch's share of
+``lambda * (-J_pref)`` from the per-sample fields the driver computed (:mod:`amir_verl.step_batch`).
+No extra forward pass, no graph kept past the micro-batch. The loss modes ``amir`` / ``amir_grpo`` /
+``amir_gspo`` are in verl's policy-loss registry through :mod:`amir_verl.loss_modes`, as entries that
+refuse to run: this is the loss.
 """
 
 from __future__ import annotations
@@ -20,7 +16,6 @@ import dataclasses
 import torch
 from tensordict import TensorDict
 
-from verl.trainer.ppo.core_algos import register_policy_loss
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.config import ActorConfig
@@ -32,7 +27,7 @@ from amir_verl.preference import (
     pair_log_likelihood_per_sequence,
     preference_loss_share,
 )
-from amir_verl.run_config import AMIR_LOSS_MODES
+from amir_verl.loss_modes import AMIR_TRAINER_MODE
 from amir_verl.step_batch import (
     EXTRA_LAMBDA,
     EXTRA_NUM_MINI_BATCHES,
@@ -43,29 +38,11 @@ from amir_verl.step_batch import (
     preference_term_weight,
 )
 
-AMIR_TRAINER_MODE = "amir"
 # Per mini-batch, the value of the term in the loss (summed over micro-batches and ranks). verl's
 # reduce_metrics averages a key over the mini-batches, and takes the minimum when the name contains
 # "min": the two keys give the mean and the smallest share an optimizer step received.
 METRIC_PREF_TERM = "amir_pref_term"
 METRIC_PREF_TERM_MIN = "amir_pref_term_min"
-
-
-def _registry_guard(loss_mode: str):
-    def refuse(*args, **kwargs):
-        raise RuntimeError(
-            f"policy_loss.loss_mode={loss_mode} is computed by amir_verl.actor_loss.amir_ppo_loss, which the AMIR "
-            f"trainer installs: add trainer.v1.trainer_mode={AMIR_TRAINER_MODE} (and keep trainer.use_v1=True). "
-            "This registry entry only lets verl's config accept the mode."
-        )
-
-    refuse.__name__ = f"amir_registry_entry_{loss_mode}"
-    refuse.__doc__ = f"Registry entry of loss mode {loss_mode}: not the loss (see amir_verl.actor_loss)."
-    return refuse
-
-
-for _mode in AMIR_LOSS_MODES:
-    register_policy_loss(_mode)(_registry_guard(_mode))
 
 
 def base_actor_config(config: ActorConfig, base_loss_mode: str) -> ActorConfig:
