@@ -23,29 +23,27 @@ import subprocess
 import sys
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
-
-from amir_verl.actor_loss import amir_ppo_loss  # noqa: E402
-from amir_verl.config import AmirConfig  # noqa: E402
-from amir_verl.preference import dpo_logits, length_normalised_log_probs, mine_preference_pairs, partner_table  # noqa: E402
-from amir_verl.step_batch import (  # noqa: E402
-    EXTRA_LAMBDA,
-    EXTRA_NUM_MINI_BATCHES,
-    EXTRA_NUM_PAIRS,
-    compute_step_fields,
-    gradient_signal,
+from amir_verl.actor_loss import amir_ppo_loss
+from amir_verl.config import AmirConfig
+from amir_verl.preference import dpo_logits, length_normalised_log_probs, mine_preference_pairs, partner_table
+from amir_verl.step_batch import compute_step_fields, gradient_signal
+from amir_verl.testing import (
+    StepBatch,
+    actor_config,
+    actor_tensordict,
+    amir_step_fields,
+    assign_engine_batch_info,
+    extra_info_for,
+    nested,
 )
-from amir_verl.trainer import whole_batch_policy_loss  # noqa: E402
-from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl.workers.engine.utils import prepare_micro_batches  # noqa: E402
-from verl.workers.utils.losses import ppo_loss  # noqa: E402
-from tests.verl_batch import actor_config, nested  # noqa: E402
+from amir_verl.trainer import whole_batch_policy_loss
+from verl.utils import tensordict_utils as tu
+from verl.workers.engine.utils import prepare_micro_batches
+from verl.workers.utils.losses import ppo_loss
 
 
 def build_model(args):
@@ -84,6 +82,8 @@ def micro_batch_log_probs(model, input_ids_rows):
 
 
 def make_batch(args, model):
+    """The step batch as the actor receives it (one mini-batch, dp 1, on ``args.device``); returns
+    (actor TensorDict, pairs, response tokens)."""
     rng = random.Random(0)
     n = args.groups * args.group_size
     prompts, responses, rewards, uids, keys = [], [], [], [], []
@@ -95,45 +95,19 @@ def make_batch(args, model):
             rewards.append(rng.choice([0.0, 1.0]) + 0.1 * rng.random())
             uids.append(f"g{g}")
             keys.append(f"g{g}_{s}_0")
-    dev = args.device
     with torch.no_grad():
-        full = micro_batch_log_probs(model, [torch.cat([p, r]).to(dev) for p, r in zip(prompts, responses)])
+        full = micro_batch_log_probs(model, [torch.cat([p, r]).to(args.device) for p, r in zip(prompts, responses)])
     rows = full.unbind()
-    old = [rows[i][len(prompts[i]) - 1 : len(prompts[i]) + len(responses[i]) - 1].detach() for i in range(n)]
+    old = [rows[i][len(prompts[i]) - 1 : len(prompts[i]) + len(responses[i]) - 1].float().cpu() for i in range(n)]
     ref = [o + 0.01 for o in old]
     adv = [torch.full_like(o, rewards[i] - 0.55) for i, o in enumerate(old)]
-    width = max(len(r) for r in responses)
-    mask = torch.zeros(n, width)
-    old_pad = torch.zeros(n, width)
-    ref_pad = torch.zeros(n, width)
-    for i in range(n):
-        mask[i, : len(responses[i])] = 1
-        old_pad[i, : len(old[i])] = old[i].float().cpu()
-        ref_pad[i, : len(ref[i])] = ref[i].float().cpu()
-    amir = AmirConfig(delta_r=0.5)
-    fields = compute_step_fields(amir, torch.tensor(rewards), uids, mask, old_pad, ref_pad, keys)
-    td = tu.get_tensordict(
-        {
-            "prompts": nested([p.to(dev) for p in prompts]),
-            "responses": nested([r.to(dev) for r in responses]),
-            "input_ids": nested([torch.cat([p, r]).to(dev) for p, r in zip(prompts, responses)]),
-            "response_mask": nested([torch.ones(len(r), dtype=torch.long, device=dev) for r in responses]),
-            "old_log_probs": nested([o.float() for o in old]),
-            "ref_log_prob": nested([r.float() for r in ref]),
-            "advantages": nested([a.float() for a in adv]),
-            "uid": uids,
-            "amir_ref_seq_logp": fields.ref_seq_logp.float().to(dev),
-            "amir_partner_score": fields.partner_score.float().to(dev),
-            "amir_partner_sign": fields.partner_sign.float().to(dev),
-        }
-    )
-    tokens = int(sum(len(r) for r in responses))
-    tu.assign_non_tensor(
-        td, dp_size=1, batch_num_tokens=tokens, global_batch_size=n, use_dynamic_bsz=False,
-        micro_batch_size_per_gpu=args.micro_batch,
-        **{EXTRA_LAMBDA: 0.05, EXTRA_NUM_PAIRS: fields.num_pairs, EXTRA_NUM_MINI_BATCHES: 1},
-    )
-    return td, fields.num_pairs, tokens
+    batch = StepBatch(prompts, responses, torch.tensor(rewards, dtype=torch.float64), uids, keys, [False] * n,
+                      old, ref, adv)
+    fields = amir_step_fields(batch, AmirConfig(delta_r=0.5))
+    td = actor_tensordict(batch, list(range(n)), fields, extra_info_for(fields, lambda_reg=0.05))
+    assign_engine_batch_info([td], global_batch_size=n)
+    tu.assign_non_tensor(td, use_dynamic_bsz=False, micro_batch_size_per_gpu=args.micro_batch)
+    return td.to(args.device), fields.num_pairs, tu.get(td, "batch_num_tokens")
 
 
 def actor_update(model, optimizer, td, loss_fn, saved_bytes):

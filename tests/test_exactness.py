@@ -14,14 +14,14 @@ import torch
 from amir_verl.actor_loss import amir_ppo_loss
 from amir_verl.config import AmirConfig
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
-from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
-from tests.verl_batch import (
+from amir_verl.testing import (
     Layout,
     actor_config,
     actor_tensordict,
     amir_step_fields,
+    assign_engine_batch_info,
     brute_force_pref_objective,
     extra_info_for,
     grads,
@@ -91,8 +91,7 @@ def whole_batch_base_loss(model, batch, config):
     """verl's base-mode ppo_loss over the whole step batch in one piece (dp 1, one micro-batch)."""
     order = list(range(len(batch)))
     td = actor_tensordict(batch, order)
-    total_tokens = int(sum(batch.response_mask(i).sum() for i in order))
-    tu.assign_non_tensor(td, dp_size=1, batch_num_tokens=total_tokens, global_batch_size=len(batch))
+    assign_engine_batch_info([td], global_batch_size=len(batch))
     log_probs = nested([token_log_probs(model, x) for x in td["input_ids"].unbind()])
     base_loss, _ = ppo_loss(config, {"log_probs": log_probs}, td)
     return base_loss

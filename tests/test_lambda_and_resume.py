@@ -14,7 +14,7 @@ from amir_verl.preference import dpo_logits, length_normalised_log_probs, mine_p
 from amir_verl.step_batch import compute_step_fields, gradient_signal
 from amir_verl.trainer import STATE_FILE, lambda_metrics, read_amir_state, whole_batch_policy_loss, write_amir_state
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
-from tests.verl_batch import (
+from amir_verl.testing import (
     Layout,
     actor_config,
     amir_step_fields,

@@ -10,7 +10,7 @@ from amir_verl.actor_loss import amir_ppo_loss
 from amir_verl.config import AmirConfig
 from amir_verl.step_batch import compute_step_fields, num_mini_batches, preference_term_weight, session_final_mask
 from verl.workers.utils.losses import ppo_loss
-from tests.verl_batch import (
+from amir_verl.testing import (
     Layout,
     actor_config,
     amir_step_fields,

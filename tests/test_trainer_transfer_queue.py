@@ -21,7 +21,7 @@ from amir_verl.step_batch import EXTRA_LAMBDA, EXTRA_NUM_MINI_BATCHES, EXTRA_NUM
 from amir_verl.trainer import AmirPPOTrainer, run_base_actor_config
 from tests.test_config import GRPO, compose_verl
 from tests.test_exactness import brute_force_gradient
-from tests.verl_batch import (
+from amir_verl.testing import (
     Layout,
     actor_config,
     grads,
@@ -81,6 +81,7 @@ def put_step_batch(batch, partition):
             "responses": nested(batch.responses),
             "input_ids": nested([torch.cat([p, r]) for p, r in zip(batch.prompts, batch.responses)]),
             "response_mask": nested([batch.response_mask(i).long() for i in range(n)]),
+            "loss_mask": nested([batch.response_mask(i).long() for i in range(n)]),  # as verl's agent loop
             "rm_scores": nested(rm_scores),
             "old_log_probs": nested(batch.old_log_probs),
             "ref_log_prob": nested(batch.ref_log_probs),

@@ -1,9 +1,11 @@
-"""A step batch in verl 0.9.1's V1 actor layout, a tiny random model, and the worker's update path.
+"""verl 0.9.1's actor update on one CPU process, for the tests and the benchmarks (no GPU, no Ray).
 
-The actor side mirrors ``FSDPEngine.forward_backward_batch`` on each data-parallel rank: verl's
-``prepare_micro_batches`` splits the rank's share (fixed size or dynamic), the loss function gets
-``model_output["log_probs"]`` as a jagged tensor over prompt+response tokens, each micro-batch loss is
-back-propagated on its own, and the rank gradients are averaged as FSDP does.
+A step batch in the V1 actor layout (:class:`StepBatch`, :func:`make_step_batch`), a tiny random Qwen2
+model, and :func:`run_actor_update`, which feeds the loss exactly as ``FSDPEngine.forward_backward_batch``
+does on each data-parallel rank: the engine's batch values (:func:`assign_engine_batch_info`: tokens
+counted on ``loss_mask`` over all ranks, ``dp_size``), verl's ``prepare_micro_batches`` split of the
+rank's share (fixed size or dynamic), ``model_output["log_probs"]`` as a jagged tensor over
+prompt+response tokens, one backward per micro-batch, and the rank gradients averaged as FSDP does.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -87,6 +90,8 @@ def make_step_batch(
     model, ref_model, group_sizes, *, seed=0, reward_values=(0.0, 0.25, 1.0, 1.1, 1.35), num_padding=0,
     empty_response_at=None, max_response=10,
 ) -> StepBatch:
+    """Random groups of ``group_sizes`` (one prompt each), old/ref log-probs from the two models, and
+    GRPO advantages from verl's estimator; ``num_padding`` filler samples as verl's upsampling adds."""
     rng = random.Random(seed)
     prompts, responses, rewards, uids, keys, pad = [], [], [], [], [], []
     for g, size in enumerate(group_sizes):
@@ -124,14 +129,13 @@ def make_step_batch(
         mask[i, : len(m)] = m
         if m.sum() > 0:
             scores[i, len(m) - 1] = rewards[i]
-    import numpy as np
-
     adv, _ = compute_grpo_outcome_advantage(scores, mask, np.array(uids, dtype=object))
     batch.advantages = [adv[i, : len(responses[i])].to(torch.float64) for i in range(len(uids))]
     return batch
 
 
 def padded(rows: list[torch.Tensor], width: int | None = None) -> torch.Tensor:
+    """(len(rows), width) right-padded with zeros; width defaults to the longest row (at least 1)."""
     width = width if width is not None else max(1, max(len(r) for r in rows))
     out = torch.zeros(len(rows), width, dtype=rows[0].dtype if rows else torch.float64)
     for i, r in enumerate(rows):
@@ -154,12 +158,18 @@ def amir_step_fields(batch: StepBatch, amir: AmirConfig):
 
 
 def actor_tensordict(batch: StepBatch, order: list[int], fields=None, extra: dict | None = None) -> TensorDict:
-    """The actor's view of samples ``order`` (V1: nested per-sample tensors, uid as NonTensorStack)."""
+    """The actor's view of samples ``order`` (V1: nested per-sample tensors, uid as NonTensorStack).
+
+    ``loss_mask`` is the ``response_mask``, as verl's agent loop (``agent_loop_tq``) and its padding
+    samples (``padding_utils``) store it; the engine counts the batch's tokens on it.
+    """
+    response_mask = nested([batch.response_mask(i).long() for i in order])
     tensors = {
         "prompts": nested([batch.prompts[i] for i in order]),
         "responses": nested([batch.responses[i] for i in order]),
         "input_ids": nested([torch.cat([batch.prompts[i], batch.responses[i]]) for i in order]),
-        "response_mask": nested([batch.response_mask(i).long() for i in order]),
+        "response_mask": response_mask,
+        "loss_mask": response_mask,
         "old_log_probs": nested([batch.old_log_probs[i] for i in order]),
         "ref_log_prob": nested([batch.ref_log_probs[i] for i in order]),
         "advantages": nested([batch.advantages[i] for i in order]),
@@ -202,6 +212,20 @@ class Layout:
     seed: int = 0
 
 
+def assign_engine_batch_info(rank_shares: list[TensorDict], global_batch_size: int) -> None:
+    """Set on each rank's share of one mini-batch the values ``FSDPEngine.forward_backward_batch`` sets.
+
+    ``batch_num_tokens``: the sum of ``loss_mask`` over every rank's share (the engine all-reduces each
+    rank's sum over the data-parallel group); ``dp_size``: the number of shares. ``global_batch_size``
+    (sequences of the mini-batch) is what the actor's ``_update_actor`` passes; verl's loss reads all
+    three through ``global_batch_info``.
+    """
+    batch_num_tokens = int(sum(int(share["loss_mask"].sum()) for share in rank_shares))
+    for share in rank_shares:
+        tu.assign_non_tensor(share, batch_num_tokens=batch_num_tokens, dp_size=len(rank_shares),
+                             global_batch_size=global_batch_size)
+
+
 def run_actor_update(model, batch: StepBatch, loss_fn, layout: Layout, extra: dict, fields=None, from_store=None):
     """Accumulate the update's gradient on ``model`` exactly as the ranks' FSDP average would.
 
@@ -213,8 +237,7 @@ def run_actor_update(model, batch: StepBatch, loss_fn, layout: Layout, extra: di
     order = list(range(n))
     random.Random(layout.seed).shuffle(order)
     share = n // layout.dp
-    total_tokens = int(sum(batch.response_mask(i).sum() for i in range(n)))
-    outputs = []
+    rank_shares = []
     for rank in range(layout.dp):
         rank_order = order[rank * share : (rank + 1) * share]
         if from_store is not None:
@@ -222,12 +245,14 @@ def run_actor_update(model, batch: StepBatch, loss_fn, layout: Layout, extra: di
             tu.assign_non_tensor(td, **extra)
         else:
             td = actor_tensordict(batch, rank_order, fields, extra)
-        non_tensor = dict(dp_size=layout.dp, batch_num_tokens=total_tokens, global_batch_size=n)
         if layout.max_token_len is not None:
-            non_tensor.update(use_dynamic_bsz=True, max_token_len_per_gpu=layout.max_token_len)
+            tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=layout.max_token_len)
         else:
-            non_tensor.update(use_dynamic_bsz=False, micro_batch_size_per_gpu=layout.micro_batch_size)
-        tu.assign_non_tensor(td, **non_tensor)
+            tu.assign_non_tensor(td, use_dynamic_bsz=False, micro_batch_size_per_gpu=layout.micro_batch_size)
+        rank_shares.append(td)
+    assign_engine_batch_info(rank_shares, global_batch_size=n)
+    outputs = []
+    for td in rank_shares:
         micro_batches, _ = prepare_micro_batches(td)
         for mb in micro_batches:
             ids = mb["input_ids"].unbind()
