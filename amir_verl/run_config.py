@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from amir_verl.config import CONFIG_NAMESPACE, AmirConfig
 
@@ -76,6 +76,16 @@ def validate_amir_run(config: DictConfig) -> AmirConfig:
     distillation = config.get("distillation")
     if distillation is not None and distillation.get("enabled", False):
         raise ValueError("AMIR does not combine with on-policy distillation: set distillation.enabled=False")
+    # verl reads parameter_sync_step under the trainer's mode, which AmirPPOTrainer reports as "sync",
+    # and in its rollout skip (skip.rollout_tq) under the configured mode "amir" (tests/test_verl_rules.py)
+    trainer_steps = OmegaConf.select(config, "trainer.v1.sync.parameter_sync_step", default=1)
+    skip_steps = OmegaConf.select(config, "trainer.v1.amir.parameter_sync_step", default=1)
+    if trainer_steps != skip_steps:
+        raise ValueError(
+            f"trainer.v1.sync.parameter_sync_step={trainer_steps} but trainer.v1.amir.parameter_sync_step="
+            f"{skip_steps}: the AMIR trainer (verl's sync trainer) reads the first, verl's rollout skip the "
+            "second; set both alike"
+        )
     return amir
 
 

@@ -137,9 +137,10 @@ class AmirPPOTrainer(PPOTrainerSync):
         super().__init__(config)
 
     # verl 0.9.1 tests ``trainer_mode == "sync"`` in _build_replay_buffer, _init_dataloader,
-    # _load_checkpoint, _save_checkpoint, _reissue_inflight_prompts and _submit_batch_to_rollout.
-    # AMIR runs PPOTrainerSync's schedule, so it reports "sync" there; PPOTrainer.__init__ assigns
-    # the configured name, which is ignored.
+    # _load_checkpoint, _save_checkpoint, _reissue_inflight_prompts and _submit_batch_to_rollout, and
+    # reads its options from ``trainer.v1.<trainer_mode>``. AMIR runs PPOTrainerSync's schedule, so it
+    # reports "sync" there; PPOTrainer.__init__ assigns the configured name, which is ignored. Every read
+    # of the mode in verl is listed in tests/test_verl_rules.py.
     @property
     def trainer_mode(self) -> str:
         return "sync"
@@ -228,7 +229,8 @@ class AmirPPOTrainer(PPOTrainerSync):
             )
 
     def _resumed_folder(self) -> str:
-        """The global_step folder PPOTrainer._load_checkpoint resumed from (it does not keep it)."""
+        """The global_step folder PPOTrainer._load_checkpoint resumed from (it does not keep it); the
+        same folder in every resume_mode (tests/test_verl_rules.py)."""
         if self.config.trainer.resume_mode == "resume_path":
             folder = self.config.trainer.resume_from_path
         else:
