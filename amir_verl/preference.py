@@ -1,7 +1,8 @@
 """The AMIR preference term in pure torch (no verl import).
 
-Notation (spec section 2): a step batch holds N response sequences, each in one rollout group (one
-prompt). Inside a group, response i is preferred over j when ``r_i - r_j > delta_r``. For a pair,
+Notation (the paper, arXiv 2601.03661, section 2): a step batch holds N response sequences, each in
+one rollout group (one prompt). Inside a group, response i is preferred over j when
+``r_i - r_j > delta_r``. For a pair,
 
     z_ij = beta * [(l_theta(i) - l_ref(i)) - (l_theta(j) - l_ref(j))]
 
@@ -9,8 +10,9 @@ with ``l_m`` the length-normalised sequence log-probability, and
 
     J_pref = mean over all mined pairs of the batch of log sigmoid(z_ij)      (0 when there are none)
 
-The functions below are small and independent so that the verl glue (``amir_verl.verl_glue``), the
-tests and the benchmarks can each use exactly the piece they need.
+The functions below are small and independent so that the driver (:mod:`amir_verl.step_batch`,
+:mod:`amir_verl.trainer`), the actor's loss (:mod:`amir_verl.actor_loss`), the tests and the benchmarks
+can each use exactly the piece they need.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The calibrated math reward (spec section 4): prompt template, answer checks, score function.
+"""The calibrated math reward (the paper's section 3.2): prompt template, answer checks, score function.
 
 ``reward.custom_reward_function.path=pkg://amir_verl.reward`` with ``name=compute_score``, or the
 reward-loop manager ``reward.reward_manager.name=amir_calibrated`` (:mod:`amir_verl.reward.manager`).

@@ -1,4 +1,4 @@
-"""The calibrated math reward of spec section 4 (pure python + math-verify):
+"""The calibrated math reward of the paper's section 3.2 (pure python + math-verify):
 
     R = w_corr * r_corr + w_fmt * r_fmt + w_calib * (1 - (a - q)^2)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train one variant of the paper on GSM8K and validate on the seven benchmarks (spec sections 5 and 6).
+# Train one variant of the paper on GSM8K and validate on the seven benchmarks (the paper's sections 3.1-3.3).
 #
 #   recipes/paper/run.sh MODEL VARIANT [extra hydra overrides...]
 #     MODEL    qwen2.5-3b | qwen2.5-7b | gemma-3-4b   (or any HF path via MODEL_PATH=...)
