@@ -40,9 +40,11 @@ from amir_verl.step_batch import (
 
 # Per mini-batch, the value of the term in the loss (summed over micro-batches and ranks). verl's
 # reduce_metrics averages a key over the mini-batches, and takes the minimum when the name contains
-# "min": the two keys give the mean and the smallest share an optimizer step received.
+# "min": the two keys give the mean and the smallest share an optimizer step received. The third gives
+# the fewest paired sequences an optimizer step held: a step without one rightly receives no share.
 METRIC_PREF_TERM = "amir_pref_term"
 METRIC_PREF_TERM_MIN = "amir_pref_term_min"
+METRIC_PAIRED_SEQUENCES_MIN = "amir_paired_sequences_min"
 
 
 def base_actor_config(config: ActorConfig, base_loss_mode: str) -> ActorConfig:
@@ -91,11 +93,12 @@ def amir_ppo_loss(config: ActorConfig, model_output, data: TensorDict, dp_group=
     log_prob = torch.nn.functional.pad(log_prob, (0, width - log_prob.shape[1]))
     response_mask = torch.nn.functional.pad(response_mask, (0, width - response_mask.shape[1]))
     policy_seq_logp = length_normalised_log_probs(log_prob, response_mask)
+    partner_sign = _dense(data[FIELD_PARTNER_SIGN])  # (B, W): nonzero where the sequence has a pair
     f = pair_log_likelihood_per_sequence(
         policy_seq_logp,
         _dense(data[FIELD_REF_SEQ_LOGP]).to(policy_seq_logp.dtype).reshape(-1),
         _dense(data[FIELD_PARTNER_SCORE]).to(policy_seq_logp.dtype),
-        _dense(data[FIELD_PARTNER_SIGN]).to(policy_seq_logp.dtype),
+        partner_sign.to(policy_seq_logp.dtype),
         beta_dpo,
     )
     term = preference_loss_share(f, weight)
@@ -103,4 +106,6 @@ def amir_ppo_loss(config: ActorConfig, model_output, data: TensorDict, dp_group=
     # optimizer step's loss (the ranks' gradients are averaged the same way).
     for key in (METRIC_PREF_TERM, METRIC_PREF_TERM_MIN):
         metrics[key] = Metric(value=term.detach(), aggregation=AggregationType.SUM)
+    paired = (partner_sign != 0).any(dim=-1).sum().to(torch.float32)
+    metrics[METRIC_PAIRED_SEQUENCES_MIN] = Metric(value=paired, aggregation=AggregationType.SUM)
     return loss + term, metrics
