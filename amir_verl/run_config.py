@@ -20,6 +20,13 @@ AMIR_LOSS_MODES = (AMIR_LOSS_MODE, *PAPER_ALIASES)
 # verl switches loss_mode to bypass_mode itself (algorithm.rollout_correction.bypass_mode), replacing
 # any other mode, so it cannot sit under AMIR.
 UNSUPPORTED_BASE_MODES = ("bypass_mode",)
+# Base modes whose loss is a sum of per-sequence parts under the whole batch's normalisers (verl's
+# global_batch_info), so any split of the batch gives the whole batch's value and gradient; the driver
+# then evaluates them in chunks of sequences (:func:`amir_verl.step_batch.gradient_signal`). Pinned by
+# tests/test_exactness.py, which checks that for each of them an actor update split over ranks and
+# micro-batches equals the whole-batch gradient. Not in the list: geo_mean (a plain mean over its input),
+# clip_cov / kl_cov (a top-k over the input's tokens), evaluated as one piece.
+SPLIT_INVARIANT_BASE_MODES = ("vanilla", "gspo", "cispo", "gpg", "dppo_tv", "dppo_kl", "sapo", "dro")
 
 
 def resolve_base_loss_mode(loss_mode: str, amir: AmirConfig) -> str:

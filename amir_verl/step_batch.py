@@ -200,6 +200,48 @@ def num_mini_batches(num_sequences: int, mini_batch_sequences: int) -> int:
     return num_sequences // mini_batch_sequences
 
 
+# Sequences per chunk when the base loss is evaluated in chunks: about 2^19 tokens (2 MiB per float32
+# tensor), small enough for the CPU's caches. 16.8 M tokens of vanilla: 0.64 s in chunks, 2.3 s whole.
+SIGNAL_CHUNK_TOKENS = 1 << 19
+
+
+def policy_gradient_at_old(
+    policy_loss_fn: Callable[..., tuple[torch.Tensor, dict]],
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    chunked: bool = False,
+) -> tuple[float, float]:
+    """The base policy loss at log_prob = old_log_probs and the L2 norm of its gradient over the response
+    tokens, by autograd through ``policy_loss_fn``.
+
+    Args:
+        policy_loss_fn: as for :func:`gradient_signal`.
+        old_log_probs, advantages, response_mask: (N, T).
+        chunked: evaluate :data:`SIGNAL_CHUNK_TOKENS` tokens' worth of sequences at a time and add up the
+            values and squared norms. Right only for a loss that is a sum of per-sequence parts under
+            the whole batch's normalisers (``amir_verl.run_config.SPLIT_INVARIANT_BASE_MODES``); False
+            evaluates the batch as one piece.
+
+    Returns:
+        (loss value, gradient norm).
+    """
+    mask = response_mask.bool()
+    n, width = mask.shape
+    rows = max(1, SIGNAL_CHUNK_TOKENS // max(width, 1)) if chunked else max(n, 1)
+    loss_value, squared_norm = 0.0, 0.0
+    for start in range(0, n, rows):
+        part = slice(start, start + rows)
+        log_prob = old_log_probs[part].detach().clone().requires_grad_(True)
+        loss, _ = policy_loss_fn(old_log_prob=old_log_probs[part], log_prob=log_prob, advantages=advantages[part],
+                                 response_mask=mask[part])
+        (grad,) = torch.autograd.grad(loss, log_prob, allow_unused=True)
+        loss_value += float(loss.detach())
+        if grad is not None:
+            squared_norm += float(torch.linalg.vector_norm(grad * mask[part])) ** 2
+    return loss_value, squared_norm**0.5
+
+
 def gradient_signal(
     policy_loss_fn: Callable[..., tuple[torch.Tensor, dict]],
     step: StepFields,
@@ -207,6 +249,7 @@ def gradient_signal(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     beta_dpo: float,
+    chunked: bool = False,
 ) -> StepSignal:
     """Both terms at the start of the update, measured on the driver without a model.
 
@@ -217,6 +260,7 @@ def gradient_signal(
         step: the step's AMIR fields (:func:`compute_step_fields`).
         old_log_probs, advantages, response_mask: (N, T) the whole step batch.
         beta_dpo: beta of the DPO logit.
+        chunked: see :func:`policy_gradient_at_old`.
 
     The policy loss is evaluated at log_prob = old_log_probs (a leaf requiring grad) and differentiated
     by autograd, so the gradient is exact for any registered loss and aggregation. The preference
@@ -225,12 +269,7 @@ def gradient_signal(
     :func:`amir_verl.preference.pair_log_likelihood_per_sequence`, and its squared L2 norm over the
     tokens is (1/P^2) sum_k (dF/ds_k)^2 / |o_k|.
     """
-    mask = response_mask.bool()
-    log_prob = old_log_probs.detach().clone().requires_grad_(True)
-    pg_loss, _ = policy_loss_fn(old_log_prob=old_log_probs, log_prob=log_prob, advantages=advantages,
-                                response_mask=mask)
-    (pg_grad,) = torch.autograd.grad(pg_loss, log_prob, allow_unused=True)
-    pg_grad_norm = 0.0 if pg_grad is None else float(torch.linalg.vector_norm(pg_grad * mask))
+    pg_loss, pg_grad_norm = policy_gradient_at_old(policy_loss_fn, old_log_probs, advantages, response_mask, chunked)
 
     pref_grad_norm = 0.0
     if step.num_pairs:
@@ -238,10 +277,10 @@ def gradient_signal(
         f = pair_log_likelihood_per_sequence(own, torch.zeros_like(own), step.partner_score.to(own.dtype),
                                              step.partner_sign.to(own.dtype), beta_dpo)
         (d_own,) = torch.autograd.grad(f.sum(), own)
-        lengths = mask.sum(dim=-1).clamp(min=1).to(d_own.dtype)
+        lengths = response_mask.bool().sum(dim=-1).clamp(min=1).to(d_own.dtype)
         pref_grad_norm = float(torch.sqrt((d_own.square() / lengths).sum())) / step.num_pairs
     return StepSignal(
-        pg_loss=float(pg_loss.detach()),
+        pg_loss=pg_loss,
         pref_loss=step.stats.pref_loss,
         pg_grad_norm=pg_grad_norm,
         pref_grad_norm_per_lambda=pref_grad_norm,

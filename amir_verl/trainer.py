@@ -35,7 +35,7 @@ from verl.utils.config import omega_conf_to_dataclass
 
 from amir_verl.actor_loss import AMIR_TRAINER_MODE, amir_ppo_loss, base_actor_config
 from amir_verl.lambda_control import LambdaController
-from amir_verl.run_config import resolve_base_loss_mode, validate_amir_run
+from amir_verl.run_config import SPLIT_INVARIANT_BASE_MODES, resolve_base_loss_mode, validate_amir_run
 from amir_verl.step_batch import (
     EXTRA_LAMBDA,
     EXTRA_NUM_MINI_BATCHES,
@@ -185,6 +185,7 @@ class AmirPPOTrainer(PPOTrainerSync):
             advantages=padded["advantages"].float(),
             response_mask=response_mask,
             beta_dpo=self.amir.beta_dpo,
+            chunked=self.base_actor_config.policy_loss.loss_mode in SPLIT_INVARIANT_BASE_MODES,
         )
         lambda_reg = self.lambda_controller.step(signal)
         # The workers fetch exactly the fields the returned meta lists (verl's tqbridge), so keep it.

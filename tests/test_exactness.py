@@ -180,6 +180,14 @@ def test_every_registered_verl_loss_is_covered():
     assert set(POLICY_LOSS_REGISTRY) == covered
 
 
+def test_the_driver_chunks_exactly_the_modes_proven_split_invariant_here():
+    """The driver evaluates the modes of SPLIT_INVARIANT_BASE_MODES in chunks of sequences: each must be one
+    whose split gradient the tests above prove equal to the whole batch's."""
+    from amir_verl.run_config import SPLIT_INVARIANT_BASE_MODES
+
+    assert set(SPLIT_INVARIANT_BASE_MODES) == set(SPLIT_INVARIANT_BASES)
+
+
 @pytest.mark.parametrize("base", [("vanilla", "token-mean"), ("gspo", "seq-mean-token-mean")], ids=["grpo", "gspo"])
 def test_lambda_zero_equals_base_mode_exactly(models, base):
     """lambda = 0: loss, gradient and every base metric are bit-identical to the base mode's."""

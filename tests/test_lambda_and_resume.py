@@ -11,7 +11,9 @@ from amir_verl.actor_loss import amir_ppo_loss
 from amir_verl.config import AmirConfig
 from amir_verl.lambda_control import StepSignal
 from amir_verl.preference import dpo_logits, length_normalised_log_probs, mine_preference_pairs, preference_objective
-from amir_verl.step_batch import compute_step_fields, gradient_signal
+from amir_verl import step_batch
+from amir_verl.run_config import SPLIT_INVARIANT_BASE_MODES
+from amir_verl.step_batch import compute_step_fields, gradient_signal, policy_gradient_at_old
 from amir_verl.trainer import STATE_FILE, lambda_metrics, read_amir_state, whole_batch_policy_loss, write_amir_state
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from amir_verl.testing import (
@@ -222,3 +224,42 @@ def test_resumed_run_continues_with_the_same_lambda_and_loss(tmp_path, rule):
 
     assert first + second == uninterrupted
     assert len({lam_used for lam_used, _ in uninterrupted}) > 1  # lambda did adapt along the way
+
+
+# ---------------------------------------------------------------- the driver's base-loss gradient in chunks
+
+POLICY_OPTIONS = {"dro": {"dro_beta": 0.5}}
+
+
+def ragged_step(n=11, width=9, seed=0):
+    """(old log-probs, advantages, mask), (n, width), responses of 1..width tokens, per-sequence advantages."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, width + 1, (n,), generator=gen)
+    mask = (torch.arange(width)[None] < lengths[:, None]).double()
+    old = -torch.rand(n, width, generator=gen, dtype=torch.float64) * 3 * mask
+    advantages = torch.randn(n, 1, generator=gen, dtype=torch.float64) * mask
+    return old, advantages, mask
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", sorted(SPLIT_INVARIANT_BASE_MODES))
+def test_chunked_base_loss_gradient_equals_the_whole_batch_one(monkeypatch, mode, agg):
+    """Chunks of 3 sequences (the last one of 2) give verl's whole-batch loss value and gradient norm."""
+    old, advantages, mask = ragged_step()
+    loss_fn = whole_batch_policy_loss(actor_config(mode, agg, **POLICY_OPTIONS.get(mode, {})), len(old),
+                                      int(mask.sum()))
+    whole = policy_gradient_at_old(loss_fn, old, advantages, mask, chunked=False)
+    monkeypatch.setattr(step_batch, "SIGNAL_CHUNK_TOKENS", 3 * old.shape[1])
+    chunked = policy_gradient_at_old(loss_fn, old, advantages, mask, chunked=True)
+    assert whole[1] > 0
+    assert chunked == pytest.approx(whole, rel=1e-10, abs=1e-15)
+
+
+def test_chunking_a_split_dependent_mode_would_change_its_gradient(monkeypatch):
+    """Why the driver chunks only the listed modes: geo_mean (a mean over its whole input) differs."""
+    old, advantages, mask = ragged_step()
+    loss_fn = whole_batch_policy_loss(actor_config("geo_mean"), len(old), int(mask.sum()))
+    _, whole = policy_gradient_at_old(loss_fn, old, advantages, mask)
+    monkeypatch.setattr(step_batch, "SIGNAL_CHUNK_TOKENS", 3 * old.shape[1])
+    _, chunked = policy_gradient_at_old(loss_fn, old, advantages, mask, chunked=True)
+    assert chunked != pytest.approx(whole, rel=1e-6)
