@@ -8,7 +8,8 @@ with ``python -m verl.trainer.main_ppo`` on the CPU backend (``AMIR_VERL_CPU=1``
 
 - ``grpo``: verl's GRPO, run through the AMIR trainer with lambda fixed at 0, so that the preference
   margin of its rollouts is measured too (the term is computed and weighted 0; the end-to-end test
-  ``test_grpo_and_amir_grpo_with_lambda_zero_match_step_by_step`` checks this equals stock GRPO);
+  ``test_quickstart_trains_grpo_then_amir_and_reports_both_on_a_quiet_console`` checks this equals stock
+  GRPO);
 - ``amir_grpo``: AMIR-GRPO with the adaptive lambda.
 
 The console gets one line per step; verl's full output goes to ``<workdir>/<run>/main_ppo.log`` and its
