@@ -71,30 +71,12 @@ def test_amir_gspo_switch_runs_and_its_base_part_is_gspo(assets, tmp_path):
     assert amir[1]["actor/grad_norm"] != pytest.approx(gspo[1]["actor/grad_norm"], rel=1e-6)  # the term acted
 
 
-def test_two_mini_batches_each_get_their_share_and_resume_restores_lambda_identically(assets, tmp_path):
-    """Two mini-batches per step (2 optimizer steps), lambda moved by the grad_share rule, a checkpoint
-    every 2 steps; then a run resumed from step 2 continues exactly as the full run did.
-
-    The actor loss logs, per optimizer step, the term it added (``actor/amir_pref_term``: verl averages
-    it over the optimizer steps; ``..._min``: the smallest) and the paired sequences it held
-    (``actor/amir_paired_sequences_min``: the fewest). Decided from the weight lambda * M * dp / P before
-    running: an optimizer step receives a positive share exactly when it holds a paired sequence, and
-    the shares average to about lambda * (-J_pref) (each is its sequences' part of the whole-batch term,
-    times M = 2; the second step's sequences have moved by one optimizer step). Without the factor M the
-    average would be half that."""
+def test_resume_restores_lambda_and_continues_identically(assets, tmp_path):
     amir = amir_overrides("amir_grpo", lambda_init=0.02, lambda_min=0.005, lambda_max=0.5, beta_dpo=0.5,
-                          delta_r=0.05, reference="ref_free")  # delta below format credit: pairs in most groups
-    two_mini_batches = ["actor_rollout_ref.actor.ppo_mini_batch_size=4"]  # 8 prompts per step
-    full = train(assets, tmp_path / "full", 4, amir + two_mini_batches, save_freq=2)
-    assert "AMIR: 2 mini-batch(es) x 1 epoch(s) per step" in (tmp_path / "full" / "main_ppo.log").read_text()
+                          reference="ref_free")
+    full = train(assets, tmp_path / "full", 4, amir, save_freq=2)
     lambdas = [full[s]["amir/lambda"] for s in (1, 2, 3, 4)]
     assert len(set(lambdas)) > 1, lambdas  # lambda moved, so restoring it matters
-    with_pairs = {s: m for s, m in full.items() if m["amir/num_pairs"] > 0}  # else the term is off, unlogged
-    assert any(m["actor/amir_paired_sequences_min"] > 0 for m in with_pairs.values()), \
-        "no step had pairs in both mini-batches: the share check below would be vacuous"
-    for step, m in with_pairs.items():
-        assert (m["actor/amir_pref_term_min"] > 0) == (m["actor/amir_paired_sequences_min"] > 0), step
-        assert m["actor/amir_pref_term"] == pytest.approx(m["amir/lambda"] * m["amir/pref_loss"], rel=0.15), step
 
     resumed_dir = tmp_path / "resumed"
     (resumed_dir / "checkpoints").mkdir(parents=True)
@@ -103,28 +85,46 @@ def test_two_mini_batches_each_get_their_share_and_resume_restores_lambda_identi
     state = json.loads((resumed_dir / "checkpoints" / "global_step_2" / "amir_state.json").read_text())
     # the controller picks each step's lambda before its update, from the saved value and that step's signal
     assert state["lambda_controller"]["value"] == pytest.approx(full[2]["amir/lambda"])
-    resumed = train(assets, resumed_dir, 4, amir + two_mini_batches, save_freq=2)
+    resumed = train(assets, resumed_dir, 4, amir, save_freq=2)
     assert sorted(resumed) == [3, 4]
     assert_same(full, resumed, BASE_METRICS + ["amir/lambda", "amir/pref_loss", "amir/num_pairs"], [3, 4])
 
 
-def test_two_ranks_and_micro_batches_report_the_brute_force_preference_loss(assets, tmp_path):
-    """2 data-parallel ranks, packed sequences (remove padding) and dynamic micro-batches of at most 64
-    tokens (about 3 samples) over groups of 8, the recipes' layout: groups split everywhere. verl's
-    logged amir/pref_loss at step 1 equals J_pref recomputed from the dumped rollouts by definition."""
+def test_two_ranks_two_mini_batches_and_micro_batches_report_the_brute_force_preference_loss(assets, tmp_path):
+    """2 data-parallel ranks, 2 mini-batches (optimizer steps) per step, packed sequences (remove padding)
+    and dynamic micro-batches of at most 64 tokens (about 3 samples) over groups of 8: groups split
+    everywhere. verl's logged amir/pref_loss at step 1 equals J_pref recomputed from the dumped rollouts by
+    definition.
+
+    The actor loss logs, per optimizer step, the term it added (``actor/amir_pref_term``: verl averages it
+    over the optimizer steps; ``..._min``: the smallest) and the paired sequences it held
+    (``actor/amir_paired_sequences_min``: the fewest). Decided from the weight lambda * M * dp / P before
+    running: an optimizer step receives a positive share exactly when it holds a paired sequence, and the
+    shares average to about lambda * (-J_pref) (each is its sequences' part of the whole-batch term, times
+    M = 2; the second step's sequences have moved by one optimizer step). Without the factor M the average
+    would be half that. (Not on a resumed run: which samples share a mini-batch follows the order in which
+    rollouts finish, so two runs with several mini-batches differ beyond float summation order.)"""
     dump = tmp_path / "rollouts"
-    beta, delta = 0.5, 0.05  # pairs from step 1 on the toy reward's format credit
+    beta, delta, lam = 0.5, 0.05, 0.05  # pairs from step 1 on the toy reward's format credit
+    workdir = tmp_path / "dp2"
     metrics = train(
-        assets, tmp_path / "dp2", 1,
-        amir_overrides("amir_grpo", reference="ref_free", beta_dpo=beta, delta_r=delta)
+        assets, workdir, 1,
+        amir_overrides("amir_grpo", reference="ref_free", beta_dpo=beta, delta_r=delta, lambda_rule="fixed",
+                       lambda_init=lam)
         + [f"trainer.rollout_data_dir={dump}", "actor_rollout_ref.model.use_remove_padding=True",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # 8 prompts per step: 2 optimizer steps
            "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=64",
            "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=64"],
         n_gpus=2, micro_batch=4,
     )
-    assert metrics[1]["amir/num_pairs"] > 0
+    m = metrics[1]
+    assert m["amir/num_pairs"] > 0
+    assert "AMIR: 2 mini-batch(es) x 1 epoch(s) per step" in (workdir / "main_ppo.log").read_text()
+    assert m["amir/lambda"] == lam
+    assert (m["actor/amir_pref_term_min"] > 0) == (m["actor/amir_paired_sequences_min"] > 0)
+    assert m["actor/amir_pref_term"] == pytest.approx(lam * m["amir/pref_loss"], rel=0.15)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(assets["model"])
