@@ -1,12 +1,12 @@
 """Throughput of the calibrated reward, and what one pathological response costs the others.
 
-    python benchmarks/bench_reward.py [--n 1000] [--budget 5]
+    python benchmarks/bench_reward.py [--n 1000] [--reps 5] [--budget 5]
 
 1. responses/s in one thread for three workloads: GSM8K-style numbers, math-verify answers (LaTeX
    fractions, roots, intervals; each time-bounded in a helper process) and AQUA-RAT letters. Half the
    responses are right, a quarter malformed.
 2. math-verify responses/s with 1 and with 2 grading threads (verl's reward loop grades from a thread
-   pool), and their ratio.
+   pool), alternating 1 and 2 threads ``--reps`` times: each repetition's ratio and their median.
 3. Blocking: one thread grades a pathological response that uses up its whole budget while another
    grades ordinary math-verify responses; the time those lose against grading them alone.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import random
 import threading
 import time
@@ -62,6 +63,7 @@ def grade_all(batch, threads: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=1000)
+    p.add_argument("--reps", type=int, default=5, help="alternating 1- and 2-thread repetitions")
     p.add_argument("--budget", type=float, default=5.0, help="math_timeout_s of the pathological response")
     args = p.parse_args()
     print(f"cores {len(os.sched_getaffinity(0))}, helpers {pool_size()}, load {os.getloadavg()[0]:.1f}")
@@ -72,9 +74,15 @@ def main() -> None:
         print(f"{kind:<9} 1 thread  {args.n / elapsed:8.0f} responses/s")
 
     math = responses("math", args.n, seed=1)
-    one, two = grade_all(math, 1), grade_all(math, 2)
-    print(f"math-verify: 1 thread {args.n / one:.0f} responses/s, 2 threads {args.n / two:.0f} responses/s, "
-          f"ratio {one / two:.2f}")
+    ones, twos = [], []
+    for _ in range(args.reps):  # alternating, so drifting load hits both alike
+        ones.append(grade_all(math, 1))
+        twos.append(grade_all(math, 2))
+    ratios = [one / two for one, two in zip(ones, twos)]
+    print(f"math-verify: 1 thread {args.n / statistics.median(ones):.0f} responses/s, "
+          f"2 threads {args.n / statistics.median(twos):.0f} responses/s (medians of {args.reps}); "
+          f"2/1 ratio median {statistics.median(ratios):.2f}, per repetition "
+          + ", ".join(f"{r:.2f}" for r in ratios))
 
     ordinary = responses("math", 200, seed=2)
     alone = grade_all(ordinary, 1)

@@ -44,6 +44,13 @@ def test_timeout_fires_while_the_child_prints_nothing_and_stops_its_whole_group(
         pytest.fail("the grandchild outlived the timeout")
 
 
+def sigint_as_from_a_terminal() -> None:
+    """``preexec_fn`` for a process the test will Ctrl-C: SIGINT raises KeyboardInterrupt, as in a terminal.
+    (A test run started in the background, ``pytest ... &``, hands its children SIGINT ignored, and Python
+    keeps an ignored SIGINT ignored, so the signal would never arrive.)"""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_the_child_group_even_when_pressed_twice():
     """A launcher process runs a silent child; two SIGINTs in a row (an impatient Ctrl-C) still end with the
     child stopped and the launcher's own KeyboardInterrupt handler reached. The child ignores SIGTERM, so
@@ -57,7 +64,8 @@ def test_ctrl_c_stops_the_child_group_even_when_pressed_twice():
                 "               on_line=lambda line: print('child', line, end='', flush=True))\n"
                 "except KeyboardInterrupt:\n"
                 "    print('interrupted', flush=True)\n")
-    proc = subprocess.Popen([PY, "-c", launcher], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([PY, "-c", launcher], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_as_from_a_terminal)
     child = int(proc.stdout.readline().split()[1])
     proc.send_signal(signal.SIGINT)
     time.sleep(1.0)  # the first one handled: the launcher is stopping the child

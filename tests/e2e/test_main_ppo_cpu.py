@@ -23,6 +23,7 @@ import torch
 from amir_verl.cpu.launch import parse_step_metrics, run_main_ppo
 from amir_verl.cpu.quickstart import amir_overrides, cpu_overrides, run_overrides
 from amir_verl.cpu.toy_task import make_assets
+from tests.test_quickstart import sigint_as_from_a_terminal
 
 pytestmark = pytest.mark.e2e
 
@@ -232,7 +233,7 @@ def test_quickstart_trains_grpo_then_amir_and_reports_both_on_a_quiet_console(tm
 
 def test_quickstart_ctrl_c_stops_promptly_leaves_nothing_running_and_says_where_the_results_are(tmp_path):
     workdir = tmp_path / "interrupted"
-    proc = quickstart(workdir, "--runs", "grpo", "--steps", "40")
+    proc = quickstart(workdir, "--runs", "grpo", "--steps", "40", preexec_fn=sigint_as_from_a_terminal)
     for line in proc.stdout:
         if line.startswith("[grpo] step  1/40"):
             break
