@@ -4,7 +4,6 @@ interpreter, threads, a Ray actor, a daemonic process)."""
 
 import operator
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -122,11 +121,32 @@ def assert_graded(result: subprocess.CompletedProcess, clean_stderr: bool = True
     assert result.returncode == 0, result.stderr[-3000:]
     assert "RESULT 1.0 0.0 True" in result.stdout, result.stdout + result.stderr[-3000:]
     if clean_stderr:
-        # Known defect (see README): a helper replacing a timed-out one may still be starting when the caller
-        # exits; it then fails to unpickle the pool's already unlinked semaphore and prints that traceback.
-        stderr = re.sub(r"Traceback \(most recent call last\):\n(?:  .*\n)*?.*spawn_main(?:.*\n)*?"
-                        r"FileNotFoundError: \[Errno 2\] No such file or directory\n?", "", result.stderr)
-        assert "Traceback" not in stderr, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+EXIT_WHILE_A_HELPER_STARTS = textwrap.dedent("""\
+    import multiprocessing, time
+    from amir_verl.reward import compute_score
+    compute_score("math-ai/minervamath", "<answer> 1 </answer>", "1")  # the pool is up
+    before = {p.pid for p in multiprocessing.active_children()}
+    slow = compute_score("math-ai/aime25", "<answer> 9^{9^{9^{9}}} </answer>", "5", math_timeout_s=0.3)
+    deadline = time.monotonic() + 10  # pebble replaces the timed-out helper: exit while the replacement starts
+    while not {p.pid for p in multiprocessing.active_children()} - before and time.monotonic() < deadline:
+        time.sleep(0.001)
+    print("RESULT", slow["acc"], bool({p.pid for p in multiprocessing.active_children()} - before))
+    """)
+
+
+def test_exit_right_after_timeouts_prints_nothing(tmp_path):
+    """A script that exits while a helper replacing a timed-out one is still starting: pebble's own close
+    would unlink the semaphores that helper is unpickling (a FileNotFoundError traceback, seen in 3 of 5
+    runs before the exit hook killed starting helpers first). Five runs, every one silent."""
+    script = tmp_path / "exit_while_a_helper_starts.py"
+    script.write_text(EXIT_WHILE_A_HELPER_STARTS)
+    for _ in range(5):
+        result = run_python([str(script)], timeout=60)
+        assert result.returncode == 0 and "RESULT 0.0 True" in result.stdout, result.stdout + result.stderr[-3000:]
+        assert result.stderr == "", result.stderr[-3000:]
 
 
 def test_a_script_without_a_main_guard(tmp_path):

@@ -46,6 +46,7 @@ _pool: pebble.ProcessPool | None = None
 _pool_pid: int | None = None  # the process that owns _pool (a forked child must not use its parent's)
 _pool_workers: int | None = None
 _in_process = False  # no helper could start in this process: bounded in-process evaluation
+_exiting = False  # set at exit: no helper starts any more (see _shutdown)
 
 
 class GraderUnavailable(RuntimeError):
@@ -97,6 +98,8 @@ class _HelperProcess(SpawnProcess):
         tests/test_grader_pool.py::test_a_daemonic_process)."""
         config = multiprocessing.current_process()._config
         with _main_lock:
+            if _exiting:  # pebble's manager replacing a helper while this process exits: see _shutdown
+                raise OSError("amir_verl grader: this process is exiting")
             daemonic = config.pop("daemon", None)
             try:
                 super().start()
@@ -214,15 +217,22 @@ def run_bounded(fn, args: tuple, timeout_s: float, default, workers: int | None 
 
 @atexit.register
 def _shutdown() -> None:
-    global _pool
+    """Stop the pool so that no helper prints a traceback. pebble's ``ProcessPool.join`` unlinks the pool's
+    semaphores (``WorkerChannel.close``) BEFORE it stops the helpers (``PoolManager.stop``), and a helper
+    still starting (one replacing a timed-out helper) unpickles those semaphores: it would fail with a
+    ``FileNotFoundError`` traceback on the caller's stderr. So: refuse new helpers, kill every helper
+    (none is half-way through ``start``: each start holds ``_main_lock``), and only then let pebble close
+    the pool (pinned by tests/test_grader_pool.py::test_exit_right_after_timeouts_prints_nothing)."""
+    global _pool, _exiting
     pool, _pool = _pool, None
-    if pool is not None and _pool_pid == os.getpid():
-        pool.stop()
-        pool.join(timeout=5)
-    # A helper that replaces a timed-out one may still be starting: were it left running past this process's
-    # exit, it would fail to unpickle the pool's semaphores (already unlinked) and print a traceback.
-    with _main_lock:  # held by every helper start (_HelperProcess.start): none is half-way now
-        for child in multiprocessing.active_children():
-            if isinstance(child, _HelperProcess):
-                child.kill()
-                child.join(1)
+    if pool is None or _pool_pid != os.getpid():
+        return
+    pool.stop()  # pebble's manager loop ends within its sleep unit; a start it tries meanwhile is refused
+    with _main_lock:
+        _exiting = True
+        helpers = [child for child in multiprocessing.active_children() if isinstance(child, _HelperProcess)]
+        for helper in helpers:
+            helper.kill()
+    for helper in helpers:
+        helper.join(1)
+    pool.join(timeout=5)
