@@ -240,6 +240,30 @@ def test_grading_from_a_daemonic_pool_worker(tmp_path):
     assert "in-process" not in result.stderr  # real helpers, not the fallback
 
 
+def test_a_helper_killed_from_outside_gets_a_fresh_pool_not_the_in_process_fallback(tmp_path):
+    """SIGKILL of an idle helper (the OOM killer's choice, say) leaves pebble's channel lock held and the
+    pool in its error state; the next call starts a fresh pool: graded by helpers, from a thread too, with
+    the time limit intact."""
+    path = tmp_path / "killed.py"
+    path.write_text(textwrap.dedent("""\
+        import multiprocessing, os, signal, threading, time
+        from amir_verl.reward import compute_score
+        assert compute_score("math-ai/minervamath", "<answer> 1 </answer>", "1")["acc"] == 1.0
+        os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
+        time.sleep(1.0)  # pebble notices and gives up on the pool
+        results = []
+        thread = threading.Thread(target=lambda: results.append(
+            compute_score("math-ai/amc23", "<answer> \\\\frac{2}{4} </answer>", "\\\\frac{1}{2}")["acc"]))
+        thread.start(); thread.join()
+        start = time.monotonic()
+        slow = compute_score("math-ai/aime25", "<answer> 9^{9^{9^{9}}} </answer>", "5", math_timeout_s=1.0)
+        print("RESULT", results, slow["acc"], time.monotonic() - start < 6)
+        """))
+    result = run_python([str(path)])
+    assert result.returncode == 0 and "RESULT [1.0] 0.0 True" in result.stdout, result.stdout + result.stderr[-3000:]
+    assert "in-process" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
 def test_without_helper_processes_grading_falls_back_in_process(tmp_path):
     """Where no process can start (simulated: every helper start fails as a refused fork would), the main
     thread grades in-process under SIGALRM after one warning; another thread gets one clear line."""

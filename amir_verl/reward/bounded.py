@@ -155,6 +155,22 @@ def _get_pool(workers: int | None) -> pebble.ProcessPool | None:
         return _pool
 
 
+def _discard_pool(pool: pebble.ProcessPool) -> None:
+    """Drop a pool that cannot take calls: one that never started, or one in pebble's error state (a helper
+    killed from outside while it waited for a call, e.g. by the OOM killer, leaves the pool's channel lock
+    held and pebble stops managing the pool). The next call starts a fresh pool."""
+    global _pool
+    with _pool_lock:
+        if _pool is not pool:  # another thread already replaced it
+            return
+        _pool = None
+    pool.stop()
+    try:
+        pool.join(timeout=5)
+    except Exception:  # a broken pool's helpers may be gone already: nothing more to stop
+        logger.debug("amir_verl grader: stopping a broken pool", exc_info=True)
+
+
 def _fall_back_in_process(error: BaseException) -> None:
     """No helper process can start here (process limits, a sandbox): grade in-process from now on."""
     global _pool, _in_process
@@ -199,14 +215,18 @@ def run_bounded(fn, args: tuple, timeout_s: float, default, workers: int | None 
 
     ``workers``: pool size for this process, used by the call that starts the pool (see :func:`pool_size`).
     """
-    pool = _get_pool(workers)
-    if pool is None:
-        return _run_in_process(fn, args, timeout_s, default)
-    try:
-        future = pool.schedule(fn, args=args, timeout=timeout_s)
-    except (OSError, RuntimeError) as error:  # no helper can start (BrokenProcessPool
-        _fall_back_in_process(error)  # is a RuntimeError; pebble's pool in its error state raises one too)
-        return _run_in_process(fn, args, timeout_s, default)
+    for attempt in range(2):
+        pool = _get_pool(workers)
+        if pool is None:
+            return _run_in_process(fn, args, timeout_s, default)
+        try:
+            future = pool.schedule(fn, args=args, timeout=timeout_s)
+            break
+        except (OSError, RuntimeError) as error:  # BrokenProcessPool is a RuntimeError, and so is what a pool
+            _discard_pool(pool)  # in pebble's error state raises: a fresh pool is tried once
+            if attempt == 1:  # a fresh pool failed too: no helper can start here
+                _fall_back_in_process(error)
+                return _run_in_process(fn, args, timeout_s, default)
     try:
         return future.result()
     except FutureTimeout:  # pebble stopped the helper and starts a fresh one
