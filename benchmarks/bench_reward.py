@@ -24,7 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from amir_verl.reward import compute_score
 from amir_verl.reward.bounded import pool_size
 
-PATHOLOGICAL = "<think> x </think> <answer> ((9!)!)! </answer> <confidence> 0.5 </confidence>"
+# a tower sympy evaluates for longer than any budget (((9!)!)! gives up after about 2 s: not a full budget)
+PATHOLOGICAL = "<think> x </think> <answer> 9^{9^{9^{9}}} </answer> <confidence> 0.5 </confidence>"
 
 
 def responses(kind: str, n: int, seed: int = 0) -> list[tuple[str, str, object]]:
