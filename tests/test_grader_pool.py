@@ -16,7 +16,7 @@ from amir_verl.reward import compute_score
 from amir_verl.reward.answers import is_correct
 from amir_verl.reward.bounded import pool_size, run_bounded
 
-SLOW_ANSWER = "((9!)!)!"  # sympy works on it far longer than any budget here
+SLOW_ANSWER = "9^{9^{9^{9}}}"  # sympy works on it longer than any budget here (((9!)!)! gives up after ~2 s)
 RESPONSE = "<think> x </think> <answer> {} </answer> <confidence> 0.9 </confidence>"
 
 
@@ -112,6 +112,7 @@ GRADE = textwrap.dedent("""\
     from amir_verl.reward import compute_score
     good = compute_score("math-ai/minervamath", "<think> x </think> <answer> \\\\frac{1}{2} </answer> <confidence> 0.9 </confidence>", "\\\\frac{1}{2}")
     start = time.monotonic()
+    # ((9!)!)! takes sympy about 2 s in Python-level steps, so SIGALRM can stop it too (the in-process fallback)
     slow = compute_score("math-ai/aime25", "<answer> ((9!)!)! </answer>", "5", math_timeout_s=1.0)
     print("RESULT", good["acc"], slow["acc"], round(time.monotonic() - start, 1) < 6)
     """)
