@@ -291,3 +291,39 @@ def test_parameter_sync_step_reads_agree_or_the_run_is_refused(overrides, traine
     else:
         with pytest.raises(ValueError, match=r"trainer\.v1\.sync\.parameter_sync_step.*trainer\.v1\.amir\."):
             validate_amir_run(config)
+
+
+# ------------------------------------------------------------ which LoRA key each part of verl reads
+
+def test_fsdp_reads_lora_rank_while_the_trainer_also_reads_lora_dot_rank_so_the_mix_is_refused():
+    """verl 0.9.1: the V1 trainer's ref_in_actor (reference = actor with adapters off) reads model.lora.rank
+    first, while FSDPEngine decides LoRA from model.lora_rank alone. With only lora.rank set, an FSDP run
+    would train full weights and ask the actor for an adapter it lacks: validate_amir_run refuses it."""
+    import inspect
+
+    from verl.trainer.ppo.utils import Role
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    def grpo_run(overrides):  # verl's own sync trainer, no AMIR
+        return compose_verl(GRPO + ["actor_rollout_ref.actor.use_kl_loss=True",
+                                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"] + overrides)
+
+    def roles(overrides):  # the worker roles verl's trainer plans (ref_in_actor: no separate reference role)
+        trainer = PPOTrainerSync(grpo_run(overrides))
+        trainer._init_resource_pool_mgr()
+        return set(trainer.role_worker_mapping)
+
+    assert roles([]) == {Role.ActorRolloutRef}
+    assert roles(["actor_rollout_ref.model.lora.rank=16"]) == {Role.ActorRollout}
+    assert roles(["actor_rollout_ref.model.lora_rank=16"]) == {Role.ActorRollout}
+    assert "self._is_lora = self.model_config.lora_rank > 0" in inspect.getsource(FSDPEngine.__init__)
+
+    megatron_key_only = amir_run(["actor_rollout_ref.model.lora.rank=16"])
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.model\.lora_rank=16"):
+        validate_amir_run(megatron_key_only)
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.model\.lora_rank=16"):
+        AmirPPOTrainer(megatron_key_only)
+    for keys in (["actor_rollout_ref.model.lora_rank=16"],  # what the recipes set
+                 ["actor_rollout_ref.model.lora.rank=16", "actor_rollout_ref.model.lora_rank=16"]):
+        validate_amir_run(amir_run(keys))

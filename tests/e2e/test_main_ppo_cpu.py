@@ -162,8 +162,11 @@ def test_two_ranks_two_mini_batches_and_micro_batches_report_the_brute_force_pre
          r"actor_rollout_ref\.actor\.use_kl_loss=True"),
         (["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "actor_rollout_ref.actor.use_kl_loss=True"],
          r"add trainer\.v1\.trainer_mode=amir"),
+        (["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "trainer.v1.trainer_mode=amir",
+          "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.model.lora.rank=16"],
+         r"set actor_rollout_ref\.model\.lora_rank=16"),
     ],
-    ids=["unknown-key", "missing-reference", "missing-trainer-mode"],
+    ids=["unknown-key", "missing-reference", "missing-trainer-mode", "megatron-lora-key-on-fsdp"],
 )
 def test_bad_amir_config_fails_before_training_naming_the_fix(assets, tmp_path, extra, message):
     with pytest.raises(RuntimeError) as failure:
