@@ -81,16 +81,17 @@ def validate_amir_run(config: DictConfig) -> AmirConfig:
             f"0 adds no KL term), or set {CONFIG_NAMESPACE}.reference=ref_free"
         )
     model = config.actor_rollout_ref.model
-    lora_rank_megatron = (model.get("lora") or {}).get("rank", 0) or 0
-    if (config.actor_rollout_ref.actor.get("strategy") in ("fsdp", "fsdp2") and lora_rank_megatron > 0
+    megatron_lora_rank = (model.get("lora") or {}).get("rank", 0) or 0
+    if (config.actor_rollout_ref.actor.get("strategy") in ("fsdp", "fsdp2") and megatron_lora_rank > 0
             and not model.get("lora_rank", 0)):
         # verl 0.9.1: FSDPEngine reads only model.lora_rank, while the V1 trainer's ref_in_actor also reads
-        # model.lora.rank (PPOTrainer.__init__): full weights would train, and the reference log-probs would
-        # ask the actor for an adapter it does not have (tests/test_verl_rules.py pins both reads)
+        # model.lora.rank (PPOTrainer._setup, _init_resource_pool_mgr): full weights would train, and the
+        # reference log-probs would ask the actor for an adapter it does not have (both reads pinned in
+        # tests/test_verl_rules.py)
         raise ValueError(
-            f"actor_rollout_ref.model.lora.rank={lora_rank_megatron} is the Megatron engine's LoRA key; verl's "
+            f"actor_rollout_ref.model.lora.rank={megatron_lora_rank} is the Megatron engine's LoRA key; verl's "
             "FSDP engine reads actor_rollout_ref.model.lora_rank (0 here), so this run would train full weights: "
-            f"set actor_rollout_ref.model.lora_rank={lora_rank_megatron} (as the paper recipes do)"
+            f"set actor_rollout_ref.model.lora_rank={megatron_lora_rank} (as the paper recipes do)"
         )
     distillation = config.get("distillation")
     if distillation is not None and distillation.get("enabled", False):

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import random
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor

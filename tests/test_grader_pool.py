@@ -130,11 +130,13 @@ EXIT_WHILE_A_HELPER_STARTS = textwrap.dedent("""\
     from amir_verl.reward import compute_score
     compute_score("math-ai/minervamath", "<answer> 1 </answer>", "1")  # the pool is up
     before = {p.pid for p in multiprocessing.active_children()}
+    def replacement_started():
+        return bool({p.pid for p in multiprocessing.active_children()} - before)
     slow = compute_score("math-ai/aime25", "<answer> 9^{9^{9^{9}}} </answer>", "5", math_timeout_s=0.3)
     deadline = time.monotonic() + 10  # pebble replaces the timed-out helper: exit while the replacement starts
-    while not {p.pid for p in multiprocessing.active_children()} - before and time.monotonic() < deadline:
+    while not replacement_started() and time.monotonic() < deadline:
         time.sleep(0.001)
-    print("RESULT", slow["acc"], bool({p.pid for p in multiprocessing.active_children()} - before))
+    print("RESULT", slow["acc"], replacement_started())
     """)
 
 

@@ -8,6 +8,7 @@ process of a ``pebble.ProcessPool`` (one pool per calling process, started at th
   gets ``default`` and only its helper is replaced. Other calls run on the other helpers meanwhile, so
   a pathological answer costs only its own budget (no head-of-line blocking);
 - an ordinary exception inside the call gives ``default`` and the helper keeps serving;
+- a pool pebble gave up on (an idle helper killed from outside) is replaced by a fresh one;
 - the pool has :func:`pool_size` helpers (``reward.reward_kwargs.math_workers``; default: verl's
   reward threads, ``min(32, cores + 4)``, capped at the cores), each importing math-verify once when it
   starts, outside any call's budget.
