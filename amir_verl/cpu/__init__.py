@@ -8,11 +8,30 @@ The plugin imports none of this unless the switch is set, so a GPU run never tou
 """
 
 SWITCH = "AMIR_VERL_CPU"
+ROLLOUT_NAME = "hf"
+
+
+def _register_hf_adapter(rollout_base) -> None:
+    rollout_base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = "amir_verl.cpu.hf_rollout.HFServerAdapter"
+
+
+def _load_hf_replica():
+    from amir_verl.cpu.hf_rollout import HFReplica
+
+    return HFReplica
+
+
+def _register_hf_replica(replica) -> None:
+    replica.RolloutReplicaRegistry.register(ROLLOUT_NAME, _load_hf_replica)
 
 
 def activate_cpu_backend() -> None:
-    from amir_verl.cpu import hf_rollout
+    """The ``cpu`` platform and its patches, and ``hf`` in verl's two rollout registries, each registered
+    when verl imports the registry's module (the ``hf`` server itself is imported when verl looks it up)."""
+    import wrapt
+
     from amir_verl.cpu.platform import activate
 
     activate()
-    hf_rollout.register()
+    wrapt.register_post_import_hook(_register_hf_adapter, "verl.workers.rollout.base")
+    wrapt.register_post_import_hook(_register_hf_replica, "verl.workers.rollout.replica")

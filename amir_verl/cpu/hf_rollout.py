@@ -34,9 +34,10 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
+from amir_verl.cpu import ROLLOUT_NAME
+
 logger = logging.getLogger(__name__)
 
-ROLLOUT_NAME = "hf"
 BATCH_WINDOW_S = 0.01  # how long the server waits for a batch to fill before its first forward pass
 MAX_BATCH = 256  # requests per batched decode
 
@@ -326,12 +327,3 @@ class HFServerAdapter(BaseRollout):
             await server.update_weights.remote(state, peft_config)
         if global_steps is not None:
             await server.set_global_steps.remote(global_steps)
-
-
-def register() -> None:
-    """Add ``hf`` to verl's two rollout registries (idempotent)."""
-    from verl.workers.rollout import base as rollout_base
-    from verl.workers.rollout.replica import RolloutReplicaRegistry
-
-    rollout_base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = f"{__name__}.HFServerAdapter"
-    RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: HFReplica)
