@@ -11,11 +11,13 @@ import psutil
 import pytest
 
 from amir_verl.cpu.launch import (
+    LoggedCommand,
     MainPPOFailed,
     failure_reason,
     parse_metrics_line,
     parse_step_metrics,
     run_logged,
+    run_logged_together,
 )
 from amir_verl.cpu.quickstart import MARKER, QuickstartError, main, prepare_workdir
 from amir_verl.cpu.report import moving_average, plot_runs, progress_line, summary_rows, summary_table, validation_accuracy
@@ -97,6 +99,46 @@ def test_run_logged_tees_every_line_and_returns_the_exit_status(tmp_path):
     assert returncode == 3
     assert sorted(output.splitlines()) == sorted(line.strip() for line in seen) == ["err", "out"]
     assert (tmp_path / "log").read_text() == output
+
+
+def _gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_side_by_side_commands_all_run_and_come_back_in_the_order_they_ended(tmp_path):
+    """Decided before running: the sleeps overlap, so the whole takes about the longest one (1.5 s), not
+    the sum (2.5 s); each output goes to its own log."""
+    commands = {name: LoggedCommand([PY, "-c", f"import time; time.sleep({delay}); print('{name}')"],
+                                    log_path=tmp_path / f"{name}.log")
+                for name, delay in (("slow", 1.5), ("fast", 1.0))}
+    start = time.monotonic()
+    results = run_logged_together(commands)
+    assert time.monotonic() - start < 2.4
+    assert list(results) == ["fast", "slow"]
+    assert results == {"fast": (0, "fast\n"), "slow": (0, "slow\n")}
+    assert (tmp_path / "slow.log").read_text() == "slow\n"
+
+
+def test_a_failing_command_stops_the_ones_beside_it_at_once():
+    code = "import os, time; print(os.getpid(), flush=True); time.sleep(120)"
+    pids = []
+    commands = {"failing": LoggedCommand([PY, "-c", "import time, sys; time.sleep(1); sys.exit(4)"]),
+                "long": LoggedCommand([PY, "-c", code], on_line=pids.append)}
+    start = time.monotonic()
+    results = run_logged_together(commands, timeout=60)
+    assert time.monotonic() - start < 10
+    assert list(results) == ["failing", "long"] and results["failing"][0] == 4 and results["long"][0] < 0
+    assert _gone(int(pids[0]))
+
+
+def test_the_timeout_names_the_commands_still_running_and_stops_them():
+    pids = []
+    code = "import os, time; print(os.getpid(), flush=True); time.sleep(120)"
+    commands = {"done": LoggedCommand([PY, "-c", "pass"]),
+                "silent": LoggedCommand([PY, "-c", code], on_line=pids.append)}
+    with pytest.raises(TimeoutError, match=r"^silent ran over 2 s"):
+        run_logged_together(commands, timeout=2)
+    assert _gone(int(pids[0]))
 
 
 @pytest.mark.parametrize("output,expected", [

@@ -1,8 +1,9 @@
 """Launch ``python -m verl.trainer.main_ppo`` on the CPU backend as a child process and read its metrics.
 
-The child runs in its own process group (session), so that a timeout or a Ctrl-C of the launcher stops
+Each child runs in its own process group (session), so that a timeout or a Ctrl-C of the launcher stops
 main_ppo together with everything it started (Ray's GCS and raylet, the Ray workers) in one signal, and
-a terminal's Ctrl-C reaches only the launcher, which then stops the child in order.
+a terminal's Ctrl-C reaches only the launcher, which then stops the child in order. Several runs can go
+side by side (:func:`run_main_ppo_together`), each with a Ray of its own.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -24,10 +27,11 @@ GRACE_S = 5.0  # SIGTERM to SIGKILL
 
 
 class MainPPOFailed(RuntimeError):
-    """main_ppo exited with an error; ``reason`` is one line, ``log_path`` holds the full output."""
+    """main_ppo exited with an error; ``reason`` is one line, ``log_path`` holds the full output, ``run`` names
+    the run among several side by side."""
 
-    def __init__(self, returncode: int, reason: str, output: str, log_path: Path | None):
-        self.returncode, self.reason, self.log_path = returncode, reason, log_path
+    def __init__(self, returncode: int, reason: str, output: str, log_path: Path | None, run: str = "main_ppo"):
+        self.returncode, self.reason, self.log_path, self.run = returncode, reason, log_path, run
         where = f"; full log: {log_path}" if log_path else ""
         super().__init__(f"main_ppo exited with {returncode}: {reason}{where}\n{output[-6000:]}")
 
@@ -119,45 +123,98 @@ def _sigint_ignored():
         signal.signal(signal.SIGINT, previous)
 
 
-def run_logged(cmd: list[str], env: dict[str, str] | None = None, log_path: Path | None = None,
-               timeout: float | None = None, on_line: Callable[[str], None] | None = None) -> tuple[int, str]:
-    """Run ``cmd`` in its own process group, teeing its output (stdout and stderr) line by line to
-    ``log_path`` and ``on_line``; returns its exit status and output. ``timeout`` (seconds, wall clock) holds whether or not
-    the child prints anything. On timeout (``TimeoutError``), on ``KeyboardInterrupt`` and on any other
-    exception the whole process group is stopped before the exception propagates."""
-    log = open(log_path, "w", buffering=1) if log_path is not None else None
-    lines: list[str] = []
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True) as proc:
+@dataclass
+class LoggedCommand:
+    """A command to run in its own process group, its output (stdout and stderr) teed line by line to
+    ``log_path`` and ``on_line``."""
+
+    cmd: list[str]
+    env: dict[str, str] | None = None
+    log_path: Path | None = None
+    on_line: Callable[[str], None] | None = None
+
+
+class _Child:
+    """A started :class:`LoggedCommand`: the process and the thread that reads its output."""
+
+    def __init__(self, command: LoggedCommand):
+        self.command, self.lines = command, []
+        log = open(command.log_path, "w", buffering=1) if command.log_path is not None else None
+        self.proc = subprocess.Popen(command.cmd, env=command.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
 
         def pump() -> None:
             try:
-                for line in proc.stdout:
-                    lines.append(line)
+                for line in self.proc.stdout:
+                    self.lines.append(line)
                     if log is not None:
                         log.write(line)
-                    if on_line is not None:
-                        on_line(line)
+                    if command.on_line is not None:
+                        command.on_line(line)
             finally:  # here, not in the caller: a process still holding the pipe may write after a join times out
                 if log is not None:
                     log.close()
 
-        reader = threading.Thread(target=pump, name="main_ppo-output", daemon=True)
-        reader.start()
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            stop_process_group(proc)
-            raise TimeoutError(f"{' '.join(cmd[:3])} ran over {timeout:.0f} s and was stopped") from None
-        except BaseException:  # Ctrl-C above all: a second one must not cut the stopping short
-            with _sigint_ignored():
-                stop_process_group(proc)
-            raise
-        else:  # what the child left in its group (Ray processes) would hold the output pipe open
-            stop_process_group(proc)
-        finally:
-            reader.join(timeout=GRACE_S)
-    return proc.returncode, "".join(lines)
+        self.reader = threading.Thread(target=pump, name="child-output", daemon=True)
+        self.reader.start()
+
+    def finish(self) -> tuple[int, str]:
+        """Stop what the exited process left in its group (Ray processes would hold the output pipe open),
+        then return its exit status and output."""
+        stop_process_group(self.proc)
+        self.reader.join(timeout=GRACE_S)
+        if not self.reader.is_alive():  # closing it under a reading thread would raise there
+            self.proc.stdout.close()
+        return self.proc.returncode, "".join(self.lines)
+
+
+POLL_S = 0.1
+
+
+def run_logged_together(commands: dict[str, LoggedCommand], timeout: float | None = None) -> dict[str, tuple[int, str]]:
+    """Run ``commands`` side by side, each in its own process group; returns {name: (exit status, output)}
+    in the order they ended, once all have.
+
+    A command that exits with an error stops the others at once (their status is then the stopping
+    signal's, negative). ``timeout`` (seconds, wall clock, for all of them) holds whether or not they print
+    anything: on it, ``TimeoutError`` naming the commands still running. On the timeout, on
+    ``KeyboardInterrupt`` and on any other exception every process group is stopped before the exception
+    propagates."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    children: dict[str, _Child] = {}
+    results: dict[str, tuple[int, str]] = {}
+    try:
+        for name, command in commands.items():
+            children[name] = _Child(command)
+        while len(results) < len(children):
+            for name, child in children.items():
+                if name not in results and child.proc.poll() is not None:
+                    results[name] = child.finish()
+                    if results[name][0] != 0:
+                        for other, rest in children.items():
+                            if other not in results:
+                                results[other] = rest.finish()
+            if deadline is not None and time.monotonic() > deadline and len(results) < len(children):
+                running = [name for name in children if name not in results]
+                for name in running:
+                    children[name].finish()
+                raise TimeoutError(f"{', '.join(running)} ran over {timeout:.0f} s and was stopped")
+            time.sleep(POLL_S)
+    except TimeoutError:
+        raise
+    except BaseException:  # Ctrl-C above all: a second one must not cut the stopping short
+        with _sigint_ignored():
+            for child in children.values():
+                stop_process_group(child.proc)
+        raise
+    return results
+
+
+def run_logged(cmd: list[str], env: dict[str, str] | None = None, log_path: Path | None = None,
+               timeout: float | None = None, on_line: Callable[[str], None] | None = None) -> tuple[int, str]:
+    """Run one command as :func:`run_logged_together` does; returns its exit status and output."""
+    name = " ".join(cmd[:3])
+    return run_logged_together({name: LoggedCommand(cmd, env, log_path, on_line)}, timeout)[name]
 
 
 def main_ppo_env() -> dict[str, str]:
@@ -165,16 +222,28 @@ def main_ppo_env() -> dict[str, str]:
     return dict(os.environ, **{SWITCH: "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"})
 
 
-def run_main_ppo(overrides: list[str], log_path: Path | None = None, timeout: float | None = None,
-                 on_line: Callable[[str], None] | None = None) -> str:
-    """Run ``python -m verl.trainer.main_ppo <overrides>`` on the CPU backend; returns its output.
-
-    The output goes to ``log_path`` and to ``on_line``; with neither it is echoed to stdout. A non-zero
-    exit raises :class:`MainPPOFailed` with a one-line reason."""
+def main_ppo_command(overrides: list[str], log_path: Path | None = None,
+                     on_line: Callable[[str], None] | None = None) -> LoggedCommand:
+    """``python -m verl.trainer.main_ppo <overrides>`` on the CPU backend, its output to ``log_path`` and
+    ``on_line``; with neither it is echoed to stdout."""
     if log_path is None and on_line is None:
         on_line = lambda line: print(line, end="", flush=True)  # noqa: E731
-    returncode, output = run_logged([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], main_ppo_env(),
-                                    log_path, timeout, on_line)
-    if returncode != 0:
-        raise MainPPOFailed(returncode, failure_reason(output), output, log_path)
-    return output
+    return LoggedCommand([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], main_ppo_env(), log_path, on_line)
+
+
+def run_main_ppo_together(runs: dict[str, LoggedCommand], timeout: float | None = None) -> dict[str, str]:
+    """Run several :func:`main_ppo_command` side by side (each with its own Ray); returns {name: output}.
+
+    The first run to fail stops the others and raises :class:`MainPPOFailed` naming it, with a one-line
+    reason."""
+    results = run_logged_together(runs, timeout)
+    for name, (returncode, output) in results.items():
+        if returncode != 0:
+            raise MainPPOFailed(returncode, failure_reason(output), output, runs[name].log_path, run=name)
+    return {name: output for name, (_, output) in results.items()}
+
+
+def run_main_ppo(overrides: list[str], log_path: Path | None = None, timeout: float | None = None,
+                 on_line: Callable[[str], None] | None = None) -> str:
+    """Run one :func:`main_ppo_command`; returns its output, raises :class:`MainPPOFailed` if it fails."""
+    return run_main_ppo_together({"main_ppo": main_ppo_command(overrides, log_path, on_line)}, timeout)["main_ppo"]

@@ -1,10 +1,12 @@
 """GRPO against AMIR-GRPO with verl's real ``main_ppo`` on a laptop CPU, in one command:
 
-    python -m amir_verl.cpu.quickstart [--workdir DIR] [--steps N] [--runs grpo,amir_grpo] [-- hydra overrides]
+    python -m amir_verl.cpu.quickstart [--workdir DIR] [--steps N] [--runs grpo,amir_grpo] [--one-at-a-time]
+                                       [-- hydra overrides]
 
 It makes a tiny model, tokenizer and toy data (:mod:`amir_verl.cpu.toy_task`), then trains each run
 with ``python -m verl.trainer.main_ppo`` on the CPU backend (``AMIR_VERL_CPU=1``, the overrides of
-:func:`cpu_overrides`), one after the other, from the same model with the same seeds and data order:
+:func:`cpu_overrides`), side by side (each with its own Ray: one run leaves about a third of 2 cores idle;
+``--one-at-a-time`` runs them one after the other), from the same model with the same seeds and data order:
 
 - ``grpo``: verl's GRPO, run through the AMIR trainer with lambda fixed at 0, so that the preference
   margin of its rollouts is measured too (the term is computed and weighted 0; the end-to-end test
@@ -25,12 +27,13 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
 import psutil
 
-from amir_verl.cpu.launch import MainPPOFailed, parse_metrics_line, run_main_ppo
+from amir_verl.cpu.launch import MainPPOFailed, main_ppo_command, parse_metrics_line, run_main_ppo_together
 from amir_verl.cpu.report import plot_runs, progress_line, summary_table
 from amir_verl.cpu.toy_task import make_assets
 
@@ -173,6 +176,9 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
+_CONSOLE = threading.Lock()
+
+
 class RunProgress:
     """Reads a run's main_ppo output line by line: metrics to ``metrics.jsonl``, one console line per step."""
 
@@ -188,7 +194,8 @@ class RunProgress:
         step, metrics = parsed
         self.steps.setdefault(step, {}).update(metrics)
         self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-        print(progress_line(self.run, step, self.total_steps, metrics), flush=True)
+        with _CONSOLE:  # runs side by side print from their own reader threads: whole lines only
+            print(progress_line(self.run, step, self.total_steps, metrics), flush=True)
 
     def close(self) -> None:
         self._jsonl.close()
@@ -208,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, from: {', '.join(RUNS)}")
     p.add_argument("--seed", type=int, default=0, help="data order, rollout sampling and actor mini-batches")
     p.add_argument("--timeout", type=float, default=RUN_TIMEOUT_S, help="seconds allowed per run")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="train the runs one after the other instead of side by side (same results, slower)")
     p.add_argument("overrides", nargs="*", help="extra hydra overrides for main_ppo (after --)")
     args = p.parse_args(argv)
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
@@ -226,41 +235,45 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     results: dict[str, dict[int, dict[str, float]]] = {}
     title = f"toy task, {args.steps} steps, seed {args.seed}"
-    current = None
+    progress: dict[str, RunProgress] = {}
+    batch: list[str] = []
     try:
         print(f"[quickstart] tiny model, tokenizer and toy data in {workdir}", flush=True)
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()  # "Writing model shards" would be the only bar on the console
         assets = make_assets(workdir)
+        commands = {}
         for run in runs:
             label, amir = RUNS[run]
             run_dir = workdir / run
             overrides = run_overrides(assets, run_dir, args.steps, args.seed, amir, args.overrides)
             (run_dir / "command.txt").write_text(
                 "AMIR_VERL_CPU=1 python -m verl.trainer.main_ppo \\\n    " + " \\\n    ".join(overrides) + "\n")
-            print(f"[{run}] {label}: starting main_ppo (Ray, workers, model); verl's output: {run_dir / 'main_ppo.log'}",
-                  flush=True)
-            current = RunProgress(run, run_dir, args.steps)
-            results[label] = current.steps
-            run_start = time.monotonic()
-            try:
-                run_main_ppo(overrides, log_path=run_dir / "main_ppo.log", timeout=args.timeout, on_line=current)
-            finally:
-                current.close()
-            print(f"[{run}] done in {time.monotonic() - run_start:.0f} s", flush=True)
+            progress[run] = RunProgress(run, run_dir, args.steps)
+            results[label] = progress[run].steps
+            commands[run] = main_ppo_command(overrides, log_path=run_dir / "main_ppo.log", on_line=progress[run])
+        for batch in [[run] for run in runs] if args.one_at_a_time else [runs]:
+            for run in batch:
+                print(f"[{run}] {RUNS[run][0]}: starting main_ppo (Ray, workers, model); "
+                      f"verl's output: {workdir / run / 'main_ppo.log'}", flush=True)
+            batch_start = time.monotonic()
+            run_main_ppo_together({run: commands[run] for run in batch}, timeout=args.timeout)
+            print(f"[{', '.join(batch)}] done in {time.monotonic() - batch_start:.0f} s", flush=True)
     except KeyboardInterrupt:
-        step = max(current.steps, default=0) if current else 0
-        print(f"\n[quickstart] interrupted during {current.run if current else 'set-up'} at step {step}: "
+        where = ", ".join(f"{run} at step {max(progress[run].steps, default=0)}" for run in batch) or "set-up"
+        print(f"\n[quickstart] interrupted during {where}: "
               f"partial results in {workdir} (<run>/main_ppo.log, <run>/metrics.jsonl)", file=sys.stderr)
         return 130
     except MainPPOFailed as failure:
-        print(f"[quickstart] {current.run} failed: {failure.reason}; full log: {failure.log_path}", file=sys.stderr)
+        print(f"[quickstart] {failure.run} failed: {failure.reason}; full log: {failure.log_path}", file=sys.stderr)
         return 1
     except TimeoutError as error:
-        print(f"[quickstart] {current.run}: {error}; partial log: {workdir / current.run / 'main_ppo.log'}",
-              file=sys.stderr)
+        print(f"[quickstart] {error}; partial logs: {workdir}/<run>/main_ppo.log", file=sys.stderr)
         return 1
+    finally:
+        for run_progress in progress.values():
+            run_progress.close()
 
     table, png = write_report(workdir, results, title)
     print(f"\n{table}\n")

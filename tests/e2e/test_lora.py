@@ -111,23 +111,20 @@ def recipe_lora_overrides() -> list[str]:
 BETA, DELTA = 0.5, 0.05  # delta below the toy reward's 0.1 for a wrong digit: pairs from step 1 on
 
 
-def lora_run(assets, workdir: Path, steps: int, amir: list[str], monkeypatch) -> tuple[dict, dict]:
+def lora_command(assets, workdir: Path, steps: int, amir: list[str]):
     """main_ppo on the toy task with the overrides ``amir`` (AMIR and LoRA; later overrides win, so the
-    recipe's ``kl_loss_coef`` replaces the toy run's 0), a checkpoint every step and the probe.
-
-    Returns (verl's console metrics by step, the probe's records by step)."""
-    from tests.e2e.test_main_ppo_cpu import train
+    recipe's ``kl_loss_coef`` replaces the toy run's 0), a checkpoint every step and the probe, which
+    records in ``workdir/probe``."""
+    from tests.e2e.test_main_ppo_cpu import train_command
 
     probe = workdir / "probe"
     probe.mkdir(parents=True)
-    monkeypatch.setenv(PROBE_DIR_ENV, str(probe))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    metrics = train(assets, workdir, steps, amir + [
+    command = train_command(assets, workdir, steps, amir + [
         f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={__name__}.install_probe",
     ], save_freq=1)
-    records = {step: torch.load(probe / f"step_{step}.pt") for step in range(1, steps + 1)}
-    assert sorted(metrics) == list(range(1, steps + 1))
-    return metrics, records
+    command.env[PROBE_DIR_ENV] = str(probe)
+    command.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return command
 
 
 # ---- independent recomputation ------------------------------------------------------------------------
@@ -238,33 +235,48 @@ def assets(tmp_path_factory):
     return make_assets(tmp_path_factory.mktemp("toy"), n_train=64, n_test=8)
 
 
+@pytest.fixture(scope="module")
+def lora_runs(assets, tmp_path_factory):
+    """Two LoRA runs side by side -> {run: (workdir, verl's console metrics by step, the probe's records by step)}."""
+    from amir_verl.cpu.quickstart import amir_overrides
+    from tests.e2e.test_main_ppo_cpu import GSPO_FLAGS, train_side_by_side
+
+    runs = {  # run -> (steps, overrides)
+        # AMIR-GSPO with amir.reference=ref (AMIR-GRPO with LoRA is the reference-free run; the reference
+        # path does not depend on the base loss)
+        "amir_gspo": (3, GSPO_FLAGS + amir_overrides("amir_gspo", reference="ref", beta_dpo=BETA, delta_r=DELTA)
+                      + recipe_lora_overrides()),
+        "ref_free": (2, amir_overrides("amir_grpo", reference="ref_free", beta_dpo=BETA, delta_r=DELTA)
+                     + recipe_lora_overrides()
+                     + ["actor_rollout_ref.model.lora.merge=True", "actor_rollout_ref.rollout.layered_summon=False"]),
+    }
+    root = tmp_path_factory.mktemp("lora")
+    metrics = train_side_by_side({name: lora_command(assets, root / name, steps, overrides)
+                                  for name, (steps, overrides) in runs.items()})
+    results = {}
+    for name, (steps, _) in runs.items():
+        assert sorted(metrics[name]) == list(range(1, steps + 1)), name
+        records = {step: torch.load(root / name / "probe" / f"step_{step}.pt") for step in range(1, steps + 1)}
+        results[name] = (root / name, metrics[name], records)
+    return results
+
+
 @pytest.mark.e2e
-def test_lora_reference_is_the_base_model_and_only_the_adapter_trains(assets, tmp_path, monkeypatch):
+def test_lora_reference_is_the_base_model_and_only_the_adapter_trains(assets, lora_runs):
     """AMIR-GSPO, 3 steps with the recipe's LoRA settings and amir.reference=ref: l_ref == the base model's
     length-normalised log-prob (rel 1e-5), amir/pref_loss == -J_pref recomputed with the adapter at the
-    step's start, base weights bit-identical, each checkpoint reproduces the next step's log-probs.
-    (AMIR-GRPO with LoRA runs in the reference-free test below; the reference path does not depend on
-    the base loss.)"""
-    from amir_verl.cpu.quickstart import amir_overrides
-    from tests.e2e.test_main_ppo_cpu import GSPO_FLAGS
-
-    loss_mode = "amir_gspo"
-    amir = GSPO_FLAGS + amir_overrides(loss_mode, reference="ref", beta_dpo=BETA, delta_r=DELTA) + recipe_lora_overrides()
-    metrics, records = lora_run(assets, tmp_path / loss_mode, 3, amir, monkeypatch)
-    worst = check_lora_run_with_reference(assets, tmp_path / loss_mode, metrics, records)
-    print(f"{loss_mode}: largest relative error of l_ref against the base model: {worst:.2e}")
+    step's start, base weights bit-identical, each checkpoint reproduces the next step's log-probs."""
+    workdir, metrics, records = lora_runs["amir_gspo"]
+    worst = check_lora_run_with_reference(assets, workdir, metrics, records)
+    print(f"amir_gspo: largest relative error of l_ref against the base model: {worst:.2e}")
 
 
 @pytest.mark.e2e
-def test_lora_reference_free_with_merged_adapter_sync(assets, tmp_path, monkeypatch):
+def test_lora_reference_free_with_merged_adapter_sync(lora_runs):
     """amir.reference=ref_free (the official code's choice) with LoRA, the adapter merged into the weights
     the rollout gets (lora.merge=True): l_ref = 0, amir/pref_loss from verl's old log-probs, the rollout
     generates with the merged weights of the updated actor."""
-    from amir_verl.cpu.quickstart import amir_overrides
-
-    amir = amir_overrides("amir_grpo", reference="ref_free", beta_dpo=BETA, delta_r=DELTA) + recipe_lora_overrides() + [
-        "actor_rollout_ref.model.lora.merge=True", "actor_rollout_ref.rollout.layered_summon=False"]
-    metrics, records = lora_run(assets, tmp_path / "ref_free", 2, amir, monkeypatch)
+    _, metrics, records = lora_runs["ref_free"]
     for step, record in records.items():
         assert record[FIELD_REF_SEQ_LOGP] == [0.0] * len(record["keys"])
         l_theta = seq_mean([torch.tensor(v) for v in record["old_log_probs"]], record)

@@ -20,7 +20,13 @@ import psutil
 import pytest
 import torch
 
-from amir_verl.cpu.launch import parse_step_metrics, run_main_ppo
+from amir_verl.cpu.launch import (
+    LoggedCommand,
+    main_ppo_command,
+    parse_step_metrics,
+    run_main_ppo,
+    run_main_ppo_together,
+)
 from amir_verl.cpu.quickstart import amir_overrides, cpu_overrides, run_overrides
 from amir_verl.cpu.toy_task import make_assets
 from tests.test_quickstart import sigint_as_from_a_terminal
@@ -33,13 +39,22 @@ def assets(tmp_path_factory):
     return make_assets(tmp_path_factory.mktemp("toy"), n_train=64, n_test=8)
 
 
-def train(assets, workdir: Path, steps: int, extra: list[str], **kwargs) -> dict[int, dict[str, float]]:
+def train_command(assets, workdir: Path, steps: int, extra: list[str], **kwargs) -> LoggedCommand:
+    """A CPU GRPO run of the toy task, no validation, plus ``extra``; verl's output in ``workdir/main_ppo.log``."""
     workdir.mkdir(parents=True, exist_ok=True)
     overrides = cpu_overrides(assets, workdir, steps, test_freq=kwargs.pop("test_freq", -1), **kwargs) + extra + [
         "trainer.val_before_train=False"
     ]
-    output = run_main_ppo(overrides, log_path=workdir / "main_ppo.log", timeout=900)
-    return parse_step_metrics(output)
+    return main_ppo_command(overrides, log_path=workdir / "main_ppo.log")
+
+
+def train_side_by_side(commands: dict[str, LoggedCommand]) -> dict[str, dict[int, dict[str, float]]]:
+    """Independent runs at once (each with its own Ray): on 2 cores one run leaves about a third idle."""
+    return {name: parse_step_metrics(output) for name, output in run_main_ppo_together(commands, timeout=900).items()}
+
+
+def train(assets, workdir: Path, steps: int, extra: list[str], **kwargs) -> dict[int, dict[str, float]]:
+    return train_side_by_side({"run": train_command(assets, workdir, steps, extra, **kwargs)})["run"]
 
 
 GRPO_BASE = ["actor_rollout_ref.actor.use_kl_loss=True"]
@@ -61,11 +76,30 @@ def assert_same(a: dict, b: dict, keys, steps):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-6), (step, key)
 
 
-def test_amir_gspo_switch_runs_and_its_base_part_is_gspo(assets, tmp_path):
-    gspo = train(assets, tmp_path / "gspo", 2, GSPO_FLAGS + ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"])
-    amir = train(assets, tmp_path / "amir_gspo", 2,
-                 GSPO_FLAGS + amir_overrides("amir_gspo", reference="ref_free", lambda_rule="fixed",
-                                             lambda_init=0.05, delta_r=0.05))  # pairs from step 1: format credit
+@pytest.fixture(scope="module")
+def independent_runs(assets, tmp_path_factory) -> dict[str, tuple[Path, dict[int, dict[str, float]]]]:
+    """The runs that need nothing from each other, side by side: {run: (its workdir, its metrics by step)}.
+    Each test below builds its run's command next to it; selecting any of those tests runs all four."""
+    root = tmp_path_factory.mktemp("runs")
+    commands = {**gspo_commands(assets, root), "dp2": dp2_command(assets, root / "dp2"),
+                "calibrated": calibrated_command(assets, root / "calibrated")}
+    metrics = train_side_by_side(commands)
+    return {name: (root / name, metrics[name]) for name in commands}
+
+
+def gspo_commands(assets, root: Path) -> dict[str, LoggedCommand]:
+    return {
+        "gspo": train_command(assets, root / "gspo", 2,
+                              GSPO_FLAGS + ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"]),
+        # delta_r 0.05: pairs from step 1, on the toy reward's format credit
+        "amir_gspo": train_command(assets, root / "amir_gspo", 2,
+                                   GSPO_FLAGS + amir_overrides("amir_gspo", reference="ref_free", lambda_rule="fixed",
+                                                               lambda_init=0.05, delta_r=0.05)),
+    }
+
+
+def test_amir_gspo_switch_runs_and_its_base_part_is_gspo(independent_runs):
+    (_, gspo), (_, amir) = independent_runs["gspo"], independent_runs["amir_gspo"]
     # step 1: same weights and rollouts, so the policy-gradient part (actor/pg_loss) is GSPO's
     assert_same(gspo, amir, ["actor/pg_loss", "critic/score/mean", "actor/pg_clipfrac"], [1])
     assert amir[1]["amir/num_pairs"] > 0 and amir[1]["amir/lambda"] == 0.05
@@ -91,7 +125,25 @@ def test_resume_restores_lambda_and_continues_identically(assets, tmp_path):
     assert_same(full, resumed, BASE_METRICS + ["amir/lambda", "amir/pref_loss", "amir/num_pairs"], [3, 4])
 
 
-def test_two_ranks_two_mini_batches_and_micro_batches_report_the_brute_force_preference_loss(assets, tmp_path):
+DP2_BETA, DP2_DELTA, DP2_LAMBDA = 0.5, 0.05, 0.05  # pairs from step 1 on the toy reward's format credit
+
+
+def dp2_command(assets, workdir: Path) -> LoggedCommand:
+    return train_command(
+        assets, workdir, 1,
+        amir_overrides("amir_grpo", reference="ref_free", beta_dpo=DP2_BETA, delta_r=DP2_DELTA, lambda_rule="fixed",
+                       lambda_init=DP2_LAMBDA)
+        + [f"trainer.rollout_data_dir={workdir / 'rollouts'}", "actor_rollout_ref.model.use_remove_padding=True",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # 8 prompts per step: 2 optimizer steps
+           "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
+           "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+           "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=64",
+           "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=64"],
+        n_gpus=2, micro_batch=4,
+    )
+
+
+def test_two_ranks_two_mini_batches_and_micro_batches_report_the_brute_force_preference_loss(assets, independent_runs):
     """2 data-parallel ranks, 2 mini-batches (optimizer steps) per step, packed sequences (remove padding)
     and dynamic micro-batches of at most 64 tokens (about 3 samples) over groups of 8: groups split
     everywhere. verl's logged amir/pref_loss at step 1 equals J_pref recomputed from the dumped rollouts by
@@ -105,21 +157,8 @@ def test_two_ranks_two_mini_batches_and_micro_batches_report_the_brute_force_pre
     M = 2; the second step's sequences have moved by one optimizer step). Without the factor M the average
     would be half that. (Not on a resumed run: which samples share a mini-batch follows the order in which
     rollouts finish, so two runs with several mini-batches differ beyond float summation order.)"""
-    dump = tmp_path / "rollouts"
-    beta, delta, lam = 0.5, 0.05, 0.05  # pairs from step 1 on the toy reward's format credit
-    workdir = tmp_path / "dp2"
-    metrics = train(
-        assets, workdir, 1,
-        amir_overrides("amir_grpo", reference="ref_free", beta_dpo=beta, delta_r=delta, lambda_rule="fixed",
-                       lambda_init=lam)
-        + [f"trainer.rollout_data_dir={dump}", "actor_rollout_ref.model.use_remove_padding=True",
-           "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # 8 prompts per step: 2 optimizer steps
-           "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
-           "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
-           "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=64",
-           "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=64"],
-        n_gpus=2, micro_batch=4,
-    )
+    workdir, metrics = independent_runs["dp2"]
+    beta, delta, lam, dump = DP2_BETA, DP2_DELTA, DP2_LAMBDA, workdir / "rollouts"
     m = metrics[1]
     assert m["amir/num_pairs"] > 0
     assert "AMIR: 2 mini-batch(es) x 1 epoch(s) per step" in (workdir / "main_ppo.log").read_text()
@@ -177,15 +216,20 @@ def test_bad_amir_config_fails_before_training_naming_the_fix(assets, tmp_path, 
     assert "ray init kwargs" not in log  # stopped on the driver, before Ray started
 
 
-def test_calibrated_reward_manager_runs_in_verls_reward_loop(assets, tmp_path, monkeypatch):
+def calibrated_command(assets, workdir: Path) -> LoggedCommand:
+    command = train_command(assets, workdir, 1,
+                            amir_overrides("amir_grpo", reference="ref_free")
+                            + ["reward.reward_manager.name=amir_calibrated", "+reward.reward_kwargs.w_fmt=0.2"],
+                            test_freq=1)
+    command.env["RAY_ADDRESS"] = "127.0.0.1:9"  # a Ray that does not exist
+    return command
+
+
+def test_calibrated_reward_manager_runs_in_verls_reward_loop(independent_runs):
     """reward.reward_manager.name=amir_calibrated resolves in verl's reward-loop workers (plugin loaded
     there too) and its extra fields reach validation. RAY_ADDRESS names a Ray that does not exist: the
     CPU overrides start the run's own Ray anyway."""
-    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")
-    metrics = train(assets, tmp_path / "calibrated", 1,
-                    amir_overrides("amir_grpo", reference="ref_free")
-                    + ["reward.reward_manager.name=amir_calibrated", "+reward.reward_kwargs.w_fmt=0.2"],
-                    test_freq=1)
+    _, metrics = independent_runs["calibrated"]
     assert metrics[1]["critic/score/mean"] >= 0.0  # the toy model never writes the template: score ~0
     keys = set(metrics[1])
     assert any(k.endswith("/brier/mean@4") for k in keys) and any(k.endswith("/format/mean@4") for k in keys)
@@ -208,6 +252,10 @@ def test_quickstart_trains_grpo_then_amir_and_reports_both_on_a_quiet_console(tm
     keys) matches it step by step, so the demo's GRPO is GRPO and its margin is GRPO's."""
     workdir, steps = tmp_path / "demo", 3
     proc = quickstart(workdir, "--steps", str(steps))
+    # stock GRPO beside it, from assets made the same way (the same seeds)
+    assets = make_assets(tmp_path / "stock_assets")
+    stock = parse_step_metrics(run_main_ppo(run_overrides(assets, tmp_path / "stock", steps, 0, GRPO_BASE),
+                                            log_path=tmp_path / "stock.log", timeout=900))
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:] + out[-3000:]
     assert err == "" and "Traceback" not in out
@@ -226,10 +274,8 @@ def test_quickstart_trains_grpo_then_amir_and_reports_both_on_a_quiet_console(tm
     assert (workdir / "quickstart.png").read_bytes()[:4] == b"\x89PNG"
     assert (workdir / "summary.md").read_text().strip() in out
 
-    assets = {"model": str(workdir / "model"), "train": str(workdir / "data" / "train.parquet"),
-              "test": str(workdir / "data" / "test.parquet")}
-    stock = parse_step_metrics(run_main_ppo(run_overrides(assets, tmp_path / "stock", steps, 0, GRPO_BASE),
-                                            log_path=tmp_path / "stock.log", timeout=900))
+    for made in ("model/model.safetensors", "data/train.parquet", "data/test.parquet"):
+        assert (workdir / made).read_bytes() == (tmp_path / "stock_assets" / made).read_bytes(), made
     assert not any(key.startswith("amir/") for key in stock[1])
     assert_same(stock, grpo, BASE_METRICS, range(1, steps + 1))
 
