@@ -77,6 +77,25 @@ def test_ctrl_c_stops_the_child_group_even_when_pressed_twice():
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
 
 
+def test_ctrl_c_stops_every_command_side_by_side():
+    child_code = "import os, time; print(os.getpid(), flush=True); time.sleep(120)"
+    launcher = (f"import sys\nCHILD = {child_code!r}\n"
+                "from amir_verl.cpu.launch import LoggedCommand, run_logged_together\n"
+                "show = lambda line: print('child', line, end='', flush=True)\n"
+                "try:\n"
+                "    run_logged_together({name: LoggedCommand([sys.executable, '-c', CHILD], on_line=show)\n"
+                "                         for name in ('a', 'b')})\n"
+                "except KeyboardInterrupt:\n"
+                "    print('interrupted', flush=True)\n")
+    proc = subprocess.Popen([PY, "-c", launcher], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_as_from_a_terminal)
+    children = [int(proc.stdout.readline().split()[1]) for _ in range(2)]
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert out.strip() == "interrupted" and "Traceback" not in err
+    assert all(_gone(child) for child in children)
+
+
 def test_what_the_child_leaves_in_its_group_is_stopped_when_it_exits(tmp_path):
     """main_ppo can exit while Ray processes of its group still hold the output pipe: they are stopped at
     once, so the launcher neither waits on the pipe nor leaves them running."""
