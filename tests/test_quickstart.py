@@ -39,11 +39,15 @@ def test_timeout_fires_while_the_child_prints_nothing_and_stops_its_whole_group(
     assert time.monotonic() - start < 15
     grandchild = int(seen[0])
     for _ in range(50):
-        if not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE:
+        if _gone(grandchild):
             break
         time.sleep(0.1)
     else:
         pytest.fail("the grandchild outlived the timeout")
+
+
+def _gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 def sigint_as_from_a_terminal() -> None:
@@ -53,42 +57,37 @@ def sigint_as_from_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def launcher_to_interrupt(child_code: str, call: str) -> subprocess.Popen:
+    """A Python process that runs ``call`` (a launcher call starting ``CHILD = child_code`` processes, whose
+    lines it prints after 'child') and prints 'interrupted' from its own KeyboardInterrupt handler."""
+    launcher = (f"import sys\nCHILD = {child_code!r}\n"
+                "from amir_verl.cpu.launch import LoggedCommand, run_logged, run_logged_together\n"
+                "show = lambda line: print('child', line, end='', flush=True)\n"
+                f"try:\n    {call}\nexcept KeyboardInterrupt:\n    print('interrupted', flush=True)\n")
+    return subprocess.Popen([PY, "-c", launcher], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_as_from_a_terminal)
+
+
 def test_ctrl_c_stops_the_child_group_even_when_pressed_twice():
     """A launcher process runs a silent child; two SIGINTs in a row (an impatient Ctrl-C) still end with the
     child stopped and the launcher's own KeyboardInterrupt handler reached. The child ignores SIGTERM, so
     the second SIGINT lands while the launcher waits to SIGKILL it."""
     child_code = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                   "print(os.getpid(), flush=True); time.sleep(120)")
-    launcher = (f"import sys\nCHILD = {child_code!r}\n"
-                "from amir_verl.cpu.launch import run_logged\n"
-                "try:\n"
-                "    run_logged([sys.executable, '-c', CHILD],\n"
-                "               on_line=lambda line: print('child', line, end='', flush=True))\n"
-                "except KeyboardInterrupt:\n"
-                "    print('interrupted', flush=True)\n")
-    proc = subprocess.Popen([PY, "-c", launcher], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=sigint_as_from_a_terminal)
+    proc = launcher_to_interrupt(child_code, "run_logged([sys.executable, '-c', CHILD], on_line=show)")
     child = int(proc.stdout.readline().split()[1])
     proc.send_signal(signal.SIGINT)
     time.sleep(1.0)  # the first one handled: the launcher is stopping the child
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)  # unguarded, the launcher would wait on the child for 120 s
     assert out.strip() == "interrupted" and "Traceback" not in err
-    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    assert _gone(child)
 
 
 def test_ctrl_c_stops_every_command_side_by_side():
     child_code = "import os, time; print(os.getpid(), flush=True); time.sleep(120)"
-    launcher = (f"import sys\nCHILD = {child_code!r}\n"
-                "from amir_verl.cpu.launch import LoggedCommand, run_logged_together\n"
-                "show = lambda line: print('child', line, end='', flush=True)\n"
-                "try:\n"
-                "    run_logged_together({name: LoggedCommand([sys.executable, '-c', CHILD], on_line=show)\n"
-                "                         for name in ('a', 'b')})\n"
-                "except KeyboardInterrupt:\n"
-                "    print('interrupted', flush=True)\n")
-    proc = subprocess.Popen([PY, "-c", launcher], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=sigint_as_from_a_terminal)
+    proc = launcher_to_interrupt(child_code, "run_logged_together({name: LoggedCommand([sys.executable, '-c', CHILD], "
+                                             "on_line=show) for name in ('a', 'b')})")
     children = [int(proc.stdout.readline().split()[1]) for _ in range(2)]
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
@@ -107,7 +106,7 @@ def test_what_the_child_leaves_in_its_group_is_stopped_when_it_exits(tmp_path):
     assert returncode == 0 and time.monotonic() - printed[0] < 3  # waiting on the pipe would take GRACE_S (5 s)
     leftover = int(output)
     time.sleep(0.5)
-    assert not psutil.pid_exists(leftover) or psutil.Process(leftover).status() == psutil.STATUS_ZOMBIE
+    assert _gone(leftover)
     assert (tmp_path / "log").read_text() == output
 
 
@@ -118,10 +117,6 @@ def test_run_logged_tees_every_line_and_returns_the_exit_status(tmp_path):
     assert returncode == 3
     assert sorted(output.splitlines()) == sorted(line.strip() for line in seen) == ["err", "out"]
     assert (tmp_path / "log").read_text() == output
-
-
-def _gone(pid: int) -> bool:
-    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 def test_side_by_side_commands_all_run_and_come_back_in_the_order_they_ended(tmp_path):
