@@ -195,13 +195,9 @@ def run_logged_together(commands: dict[str, LoggedCommand], timeout: float | Non
                             if other not in results:
                                 results[other] = rest.finish()
             if deadline is not None and time.monotonic() > deadline and len(results) < len(children):
-                running = [name for name in children if name not in results]
-                for name in running:
-                    children[name].finish()
-                raise TimeoutError(f"{', '.join(running)} ran over {timeout:.0f} s and was stopped")
+                running = ", ".join(name for name in children if name not in results)
+                raise TimeoutError(f"{running} ran over {timeout:.0f} s and was stopped")  # stopped below
             time.sleep(POLL_S)
-    except TimeoutError:
-        raise
     except BaseException:  # Ctrl-C above all: a second one must not cut the stopping short
         with _sigint_ignored():
             for child in children.values():
