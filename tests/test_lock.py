@@ -1,0 +1,128 @@
+"""The lock (`locks/cpu-py311.txt`) against setup.py, and CI against the README.
+
+The lock is what the README installs from; setup.py keeps open ranges for users who bring their own
+environment. These tests fail when the two drift apart: a requirement missing from the lock, a locked version
+outside its range, a locked package nothing needs, or a package whose own requirements the lock does not
+satisfy (walked from setup.py through every installed package's metadata, extras included). CI must run the
+README's commands and nothing else.
+"""
+
+import ast
+import importlib.metadata as md
+import re
+from pathlib import Path
+
+import pytest
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+REPO = Path(__file__).resolve().parents[1]
+LOCK = REPO / "locks" / "cpu-py311.txt"
+LOCKED_EXTRAS = ("test",)  # the extras the lock covers; `gpu` is not locked (README, Install)
+
+
+def read_lock(path: Path = LOCK) -> dict[str, Version]:
+    """{canonical name: pinned version} from a pip constraints file of `name==version` lines."""
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", line)
+        assert match, f"{path.name}: not a name==version pin: {line!r}"
+        name = canonicalize_name(match[1])
+        assert name not in pins, f"{path.name}: {name} pinned twice"
+        pins[name] = Version(match[2])
+    return pins
+
+
+def setup_requirements(extras=LOCKED_EXTRAS) -> list[Requirement]:
+    """install_requires plus the given extras, read from setup.py's literal setup(...) call."""
+    tree = ast.parse((REPO / "setup.py").read_text())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg in ("install_requires", "extras_require")}
+    lines = list(kwargs["install_requires"])
+    for extra in extras:
+        lines += kwargs["extras_require"][extra]
+    return [Requirement(line) for line in lines]
+
+
+def applies(req: Requirement, extra: str) -> bool:
+    """Whether `req` (one Requires-Dist line) is needed on this platform by the given extra ('' = base)."""
+    return req.marker is None or req.marker.evaluate({**default_environment(), "extra": extra})
+
+
+def outside_lock(req: Requirement, pins: dict[str, Version], needed_by: str) -> list[str]:
+    name = canonicalize_name(req.name)
+    if name not in pins:
+        return [f"{needed_by} needs {req}: not in the lock"]
+    if not req.specifier.contains(pins[name], prereleases=True):
+        return [f"{needed_by} needs {req}: the lock pins {pins[name]}"]
+    return []
+
+
+def test_lock_pins_every_setup_requirement_inside_its_range():
+    pins = read_lock()
+    problems = [p for req in setup_requirements() if applies(req, "") for p in outside_lock(req, pins, "setup.py")]
+    assert not problems, "\n".join(problems + ["refresh with: bash locks/refresh.sh"])
+
+
+def test_the_range_check_catches_a_missing_pin_and_a_pin_outside_its_range(tmp_path):
+    pins = read_lock()
+    pins.pop("pebble")
+    pins["transformers"] = Version("5.6.0")  # excluded by setup.py's !=5.6.0
+    problems = [p for req in setup_requirements() for p in outside_lock(req, pins, "setup.py")]
+    assert any("pebble" in p and "not in the lock" in p for p in problems)
+    assert any("transformers" in p and "pins 5.6.0" in p for p in problems)
+
+
+def installed_at_locked_versions(pins):
+    versions = {canonicalize_name(d.metadata["Name"]): Version(d.version) for d in md.distributions()}
+    return [f"{name} {versions.get(name, 'missing')} (lock {pin})" for name, pin in pins.items() if versions.get(name) != pin]
+
+
+def test_lock_is_exactly_the_closure_of_setup_requirements():
+    """Walk setup.py's requirements through each package's installed metadata (with the extras its dependents
+    ask for): every package reached is locked inside every range that asks for it, and every locked package is
+    reached. Needs the environment the lock describes, which is what the README's test command installs."""
+    pins = read_lock()
+    off = installed_at_locked_versions(pins)
+    if off:
+        pytest.skip("this environment was not installed from the lock: " + ", ".join(off[:5]))
+    problems, reached = [], {}
+    todo = [(req, "setup.py") for req in setup_requirements() if applies(req, "")]
+    while todo:
+        req, needed_by = todo.pop()
+        problems += outside_lock(req, pins, needed_by)
+        name = canonicalize_name(req.name)
+        new_extras = set(req.extras) - reached.get(name, set())
+        if name in reached and not new_extras:
+            continue
+        extras = new_extras if name in reached else {""} | set(req.extras)
+        reached.setdefault(name, set()).update(extras)
+        for line in md.distribution(name).requires or []:
+            dep = Requirement(line)
+            if any(applies(dep, extra) for extra in extras):
+                todo.append((dep, f"{name} {pins.get(name)}"))
+    problems += [f"{name} {pin} is locked but nothing requires it" for name, pin in pins.items() if name not in reached]
+    assert not problems, "\n".join(problems + ["refresh with: bash locks/refresh.sh"])
+
+
+def readme_commands() -> list[str]:
+    """The command lines of the README's first code block (its two commands: demo, tests)."""
+    block = re.search(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S)[1]
+    return [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_ci_runs_the_readmes_two_commands_from_the_lock_and_nothing_else():
+    commands = readme_commands()
+    assert len(commands) == 2 and "quickstart" in commands[0] and "pytest" in commands[1]
+    assert all("-c locks/cpu-py311.txt" in c for c in commands)
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+    ci = [line for line in ci if line and not line.startswith("#")]
+    # CI: a fresh venv with the pip it ships, activated, then the README's commands verbatim; no pip upgrade
+    assert ci == ["set -euo pipefail", 'cd "$(dirname "$0")/.."', "python3 -m venv .venv", ". .venv/bin/activate",
+                  *commands, ci[-1]]
+    assert ci[-1].startswith("python -c") and "pip" not in ci[-1]
