@@ -22,6 +22,7 @@ setup(
         "pandas",
         "pyarrow",
         "matplotlib>=3.8",
+        "gguf>=0.10",  # amir_verl.models: transformers reads GGUF checkpoints with it (SmolLM2 for the CPU pipeline)
     ],
     extras_require={
         # GPU users: vllm (and the torch it pins) through verl's own extra.

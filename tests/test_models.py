@@ -1,0 +1,111 @@
+"""Model prep (``python -m amir_verl.models smollm2``): the registry's SmolLM2-135M-Instruct GGUF -> an HF folder.
+
+Checked against independent computations: every weight against the ``gguf`` package's own dequantisation
+of its tensor (with llama.cpp's rotary permutation of q/k undone here), the chat template against the GGUF's
+template rendered by plain jinja2, and the stop token by greedy generation.
+"""
+
+import json
+import shutil
+
+import jinja2
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.numpy import load_file
+
+from amir_verl.models import ModelPrepError, check_special_tokens, gguf_special_tokens, smollm2_gguf
+
+# GGUF tensor name (blk.N.<name>) -> HF parameter name (model.layers.N.<name>)
+LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    _, layer, name, suffix = gguf_name.split(".")
+    return f"model.layers.{layer}.{LAYER_NAMES[name]}.{suffix}"
+
+
+def undo_rope_permutation(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter stores q/k rows per head as interleaved (x0, y0, x1, y1, ...) pairs; HF keeps the
+    two halves of each head apart (x0, x1, ..., y0, y1, ...)."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+def test_every_weight_equals_the_gguf_packages_dequantisation(smollm2):
+    reader = GGUFReader(smollm2_gguf())
+    heads = int(reader.fields["llama.attention.head_count"].contents())
+    kv_heads = int(reader.fields["llama.attention.head_count_kv"].contents())
+    weights = load_file(str(smollm2 / "model.safetensors"))
+    seen = set()
+    for tensor in reader.tensors:
+        expected = dequantize(tensor.data, tensor.tensor_type).reshape([int(d) for d in reversed(tensor.shape)])
+        if ".attn_q." in tensor.name:
+            expected = undo_rope_permutation(expected, heads)
+        elif ".attn_k." in tensor.name:
+            expected = undo_rope_permutation(expected, kv_heads)
+        name = hf_name(tensor.name)
+        assert name in weights, name
+        np.testing.assert_array_equal(weights[name], expected.astype(np.float32), err_msg=name)
+        seen.add(name)
+    config = json.loads((smollm2 / "config.json").read_text())
+    assert config["tie_word_embeddings"] and "lm_head.weight" not in weights  # the GGUF has no output.weight
+    assert seen == set(weights), set(weights) ^ seen
+    assert sum(w.size for w in weights.values()) == 134_515_008
+
+
+def test_special_tokens_come_from_the_gguf_metadata_and_agree_everywhere(smollm2):
+    declared = gguf_special_tokens(smollm2_gguf())
+    assert declared == {"bos": "<|im_start|>", "eos": "<|im_end|>", "pad": "<|im_end|>", "unk": "<|endoftext|>"}
+    assert check_special_tokens(smollm2) == {"bos": 1, "eos": 2, "pad": 2}
+
+
+def test_a_folder_whose_tokens_disagree_is_refused_naming_the_file(smollm2, tmp_path):
+    for item in smollm2.iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copy(item, tmp_path / item.name)
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    generation["eos_token_id"] = 1  # what a naive conversion's tokenizer says
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    with pytest.raises(ModelPrepError, match="eos token is 2, generation_config.json says 1"):
+        check_special_tokens(tmp_path)
+
+
+def test_the_chat_template_renders_as_the_ggufs_own(smollm2):
+    from transformers import AutoTokenizer
+
+    template = GGUFReader(smollm2_gguf()).fields["tokenizer.chat_template"].contents()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    for messages in ([{"role": "user", "content": "What is 2 + 3?"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]):
+        for add_generation_prompt in (True, False):
+            expected = jinja2.Template(template).render(messages=messages, add_generation_prompt=add_generation_prompt)
+            got = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            assert got == expected
+    assert expected.endswith("<|im_end|>\n") and "<|im_start|>assistant\nHello.<|im_end|>" in expected
+
+
+def test_greedy_generation_stops_at_im_end(smollm2):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Say hello in one word."}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=48, do_sample=False)
+    response = out[0, prompt["input_ids"].shape[1]:].tolist()
+    assert response[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>") == 2
+    assert len(response) < 48 and 2 not in response[:-1]
+    assert tokenizer.decode(response, skip_special_tokens=True).strip()
