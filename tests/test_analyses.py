@@ -173,3 +173,29 @@ def test_synthetic_example_runs_every_command(tmp_path):
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000 and (tmp_path / f"{name}.csv").exists()
     assert "| AIME 2025 |" in (tmp_path / "passk_GRPO_vs_AMIR.md").read_text()
     assert "| AIME 2025 |" in (tmp_path / "passk_base_vs_GRPO_vs_AMIR.md").read_text()
+
+
+def test_a_verl_merged_lora_folder_scores_as_the_trained_policy_not_its_base(toy_model, tmp_path):
+    """verl's merger writes a LoRA run as base weights + ``lora_adapter/``; load_model must apply the adapter."""
+    import shutil
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "merged"
+    shutil.copytree(toy_model, folder)
+    torch.manual_seed(0)
+    trained = get_peft_model(AutoModelForCausalLM.from_pretrained(toy_model, dtype=torch.float32),
+                             LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    for name, param in trained.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_()  # a trained adapter: B != 0
+    trained.save_pretrained(folder / analyses.VERL_MERGER_ADAPTER)
+    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    with torch.no_grad():
+        expected = trained(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(toy_model, dtype=torch.float32)(input_ids=ids).logits
+        model, _ = analyses.load_model(str(folder))
+        got = model(input_ids=ids).logits
+    assert not torch.allclose(expected, base, atol=1e-3)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

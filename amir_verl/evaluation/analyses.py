@@ -239,13 +239,24 @@ def plot_coverage(patterns: pd.DataFrame, names: list[str], path: Path) -> None:
 # ----------------------------------------------------------------------------------------- log-probs
 
 
+VERL_MERGER_ADAPTER = "lora_adapter"  # where `python -m verl.model_merger merge` puts a LoRA run's adapter
+
+
 def load_model(path: str, device: str = "cpu", dtype: str = "float32"):
+    """An HF model folder or hub id -> (model, tokenizer). For a LoRA run, verl's merger writes the base
+    weights with the trained adapter beside them in ``<path>/lora_adapter``: that adapter is merged into the
+    weights here, so that the folder scores as the policy that was trained, not as its base model."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    return model, tokenizer
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    adapter = Path(path) / VERL_MERGER_ADAPTER
+    if (adapter / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    return model.to(device).eval(), tokenizer
 
 
 def response_log_probs(model, tokenizer, prompt: str, response: str, device: str = "cpu") -> tuple[float, int]:
