@@ -10,6 +10,8 @@
   measures both terms' gradients at the start of the update (verl's registered base policy loss,
   differentiated on the driver), lets the lambda controller pick this step's lambda, and stores each
   sequence's AMIR fields in TransferQueue beside ``advantages``; logs ``amir/*``.
+- ``_log_rollout_data`` (with ``trainer.rollout_data_dir``): each dumped sequence also carries its AMIR
+  fields (:data:`DUMPED_FIELDS`), so that a step's pairs and preference loss can be recomputed from the dump.
 - ``_save_checkpoint`` / ``_load_checkpoint``: the controller's state travels with verl's checkpoint.
 
 The upstream sources of these methods are pinned by ``tests/test_verl_seams.py``.
@@ -51,6 +53,10 @@ from amir_verl.step_batch import (
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "amir_state.json"
+# Per-sequence fields added to verl's rollout dump: l_old (the length-normalised log-prob the update starts
+# from), l_ref, and the partner table the actor's loss reads (amir_verl.preference.partner_table).
+FIELD_OLD_SEQ_LOGP = "amir_old_seq_logp"
+DUMPED_FIELDS = (FIELD_OLD_SEQ_LOGP, FIELD_REF_SEQ_LOGP, FIELD_PARTNER_SCORE, FIELD_PARTNER_SIGN)
 
 
 def run_base_actor_config(config: DictConfig):
@@ -188,6 +194,11 @@ class AmirPPOTrainer(PPOTrainerSync):
             chunked=self.base_actor_config.policy_loss.loss_mode in SPLIT_INVARIANT_BASE_MODES,
         )
         lambda_reg = self.lambda_controller.step(signal)
+        self._step_dump_fields = {
+            name: dict(zip(batch.keys, values.tolist()))
+            for name, values in zip(DUMPED_FIELDS, (step.old_seq_logp, step.ref_seq_logp, step.partner_score,
+                                                     step.partner_sign))
+        }
         # The workers fetch exactly the fields the returned meta lists (verl's tqbridge), so keep it.
         stored = tq.kv_batch_put(
             keys=batch.keys,
@@ -210,6 +221,24 @@ class AmirPPOTrainer(PPOTrainerSync):
         metrics.update(step.stats.as_metrics())
         metrics.update(lambda_metrics(signal, lambda_reg))
         return batch
+
+    def _log_rollout_data(self, batch, timing_raw: dict, rollout_data_dir: str):
+        # PPOTrainerBase._log_rollout_data dumps prompt, response, score and the sample key (as "uid", sorted)
+        # through self._dump_generations(..., reward_extra_infos_dict=...), whose every column of one value
+        # per sample becomes a field of that sample's line: AMIR's columns are added there, by key.
+        fields, upstream_dump = self._step_dump_fields, self._dump_generations
+
+        def dump_with_amir_fields(**kwargs):
+            columns = kwargs["reward_extra_infos_dict"]
+            keys = columns["uid"]
+            columns.update({name: [values[key] for key in keys] for name, values in fields.items()})
+            return upstream_dump(**kwargs)
+
+        self._dump_generations = dump_with_amir_fields
+        try:
+            super()._log_rollout_data(batch, timing_raw, rollout_data_dir)
+        finally:
+            del self._dump_generations
 
     def _save_checkpoint(self):
         # Written before verl's tracker file (latest_checkpointed_iteration.txt), which super() writes

@@ -7,7 +7,8 @@ the CPU backend (:mod:`amir_verl.cpu`; heavy, only under that switch). It then w
 verl's registries lazily: a post-import hook (``wrapt.register_post_import_hook``) on each verl module
 that owns a registry imports the AMIR module that registers there, once that verl module has finished
 importing, or at once when it already has. A lookup has to import the registry's module first, so the
-entries are there whenever verl can look them up, in every process (:data:`REGISTRATIONS`).
+entries are there whenever verl can look them up, in every process (:data:`REGISTRATIONS`). One more hook,
+on verl's RL dataset, reports per benchmark the prompts its length filter drops (:mod:`amir_verl.prompt_filter`).
 
 verl swallows plugin import errors at DEBUG level, so a failure here would only show up later as
 "Unsupported loss mode"; ``python -m amir_verl.verl_plugin`` imports it loudly to check an install.
@@ -47,6 +48,10 @@ def _importer(module_name: str):
 
 for _verl_module, _amir_module in REGISTRATIONS.items():
     wrapt.register_post_import_hook(_importer(_amir_module), _verl_module)
+
+# Not a registry: a line per benchmark of how many prompts filter_overlong_prompts dropped (amir_verl.prompt_filter).
+wrapt.register_post_import_hook(lambda module: importlib.import_module("amir_verl.prompt_filter").install(module),
+                                "verl.utils.dataset.rl_dataset")
 
 if __name__ == "__main__":
     from verl.experimental.reward_loop.reward_manager.registry import REWARD_MANAGER

@@ -14,6 +14,7 @@ from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 from verl.trainer.ppo.utils import need_reference_policy
 from verl.trainer.ppo.v1 import trainer_base
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.utils.dataset import rl_dataset
 from verl.workers import engine_workers
 from verl.workers.utils import losses
 from verl.workers.utils.padding import no_padding_2_padding
@@ -36,6 +37,13 @@ SEAMS = {
                                     "overridden: resume folder rules reproduced in AmirPPOTrainer._resumed_folder"),
     "PPOTrainer._step_once": (trainer_base.PPOTrainer._step_once, "efdd4abe161c6dee",
                               "order: old and ref log-probs before _compute_advantage, actor update after"),
+    "PPOTrainer._log_rollout_data": (trainer_base.PPOTrainer._log_rollout_data, "c1fa53a46df397cb",
+                                     "overridden: its self._dump_generations(reward_extra_infos_dict=) call, with "
+                                     "the sample keys as 'uid', is where the AMIR fields join each line"),
+    "RLHFDataset.maybe_filter_out_long_prompts": (
+        inspect.unwrap(rl_dataset.RLHFDataset.maybe_filter_out_long_prompts), "e3dfcd9bb62a214a",
+        "wrapped by amir_verl.prompt_filter: takes and returns the datasets.Dataset, reads filter_overlong_prompts "
+        "and max_prompt_length"),
     "PPOTrainerSync": (PPOTrainerSync, "beb30ff5187a75b9", "base class of AmirPPOTrainer"),
     "ppo_loss": (losses.ppo_loss, "d7c0f8772b444f55",
                  "wrapped by amir_ppo_loss: dp_size / batch_num_tokens normalisation, metric names"),

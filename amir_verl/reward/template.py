@@ -27,8 +27,8 @@ INSTRUCTION = (
 )
 CHOICE_INSTRUCTION = "Answer with the letter of the correct option."
 
-# Responses up to this many characters are parsed whole (in time linear in their length): 683x the paper
-# recipes' max_response_length of 1,536 tokens. A longer response is not parsed at all: no answer, format 0
+# Responses up to this many characters are parsed whole (in time linear in their length): 1,024x the paper
+# recipes' max_response_length of 1,024 tokens. A longer response is not parsed at all: no answer, format 0
 # (problem "response longer than ..."), so a runaway generation can never be graded correct.
 MAX_RESPONSE_CHARS = 1 << 20
 _NUMBER = re.compile(r"\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+))\s*")

