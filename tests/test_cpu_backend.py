@@ -169,7 +169,16 @@ def test_batched_sampling_gives_each_request_what_it_gets_alone(server):
     srv.set_global_steps(7)
     alone = [srv.sample_batch([(p, s, srv._generator(p))])[0] for p, s in REQUESTS]
     srv.set_global_steps(7)
-    together = srv.sample_batch([(p, s, srv._generator(p)) for p, s in REQUESTS])
+    shapes = []
+    hook = srv.model.register_forward_pre_hook(lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+                                               with_kwargs=True)
+    try:
+        together = srv.sample_batch([(p, s, srv._generator(p)) for p, s in REQUESTS])
+    finally:
+        hook.remove()
+    distinct = {tuple(p) for p, _ in REQUESTS}
+    assert shapes[0] == (len(distinct), max(map(len, distinct)))  # each distinct prompt prefilled once
+    assert set(shapes[1:]) == {(len(REQUESTS), 1)}  # then every request decodes from its own cache copy
     assert [t for t, _ in together] == [t for t, _ in alone]
     assert len({tuple(t) for t, _ in alone[:3:2]}) == 2  # the repeated prompt's samples differ
     assert [len(t) for t, _ in alone][5] <= 2  # its own length limit

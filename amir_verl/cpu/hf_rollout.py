@@ -128,17 +128,20 @@ class HFRolloutServer:
     @torch.no_grad()
     def sample_batch(self, requests: list[tuple[list[int], dict, torch.Generator]]) -> list[tuple[list[int], list[float]]]:
         """Sample every request of ``requests`` (prompt ids, sampling params, its own generator) in one
-        batched decode: prompts left-padded to ``[batch, longest]`` with an attention mask and position ids
-        counted from each prompt's first token, one forward pass per new token with the KV cache. Each row
-        draws from its own generator and finishes at <eos> or its own length limit, so its tokens are those
-        it would get alone (log-probs equal up to float32 summation order).
+        batched decode: the distinct prompts are prefilled once each (a group's n samples share one prompt),
+        left-padded to ``[prompts, longest]`` with an attention mask and position ids counted from each
+        prompt's first token; each request then decodes from a copy of its prompt's KV cache, one forward
+        pass per new token. Each row draws from its own generator and finishes at <eos> or its own length
+        limit, so its tokens are those it would get alone (log-probs equal up to float32 summation order).
 
         Returns, per request, (response token ids, their log-probabilities)."""
         n = len(requests)
-        width = max(len(prompt) for prompt, _, _ in requests)
-        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((n, width), dtype=torch.long)
-        for row, (prompt, _, _) in enumerate(requests):
+        distinct: dict[tuple[int, ...], int] = {}
+        rows = torch.tensor([distinct.setdefault(tuple(prompt), len(distinct)) for prompt, _, _ in requests])
+        width = max(len(prompt) for prompt in distinct)
+        input_ids = torch.full((len(distinct), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(distinct), width), dtype=torch.long)
+        for row, prompt in enumerate(distinct):
             input_ids[row, width - len(prompt):] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt):] = 1
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -147,14 +150,17 @@ class HFRolloutServer:
         allowed = torch.ones(self.model.config.vocab_size, dtype=torch.bool)
         if self.pad_token_id not in self.eos_token_ids:
             allowed[self.pad_token_id] = False
+        # logits of the last position only: over a prefill the full logits of a 49k-token vocabulary are GBs
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, logits_to_keep=1)
+        past = out.past_key_values
+        if len(distinct) < n:
+            past.batch_select_indices(rows)  # each request's own copy of its prompt's cache
+        logits = out.logits[rows, -1].float()
+        attention_mask, position_ids = attention_mask[rows], position_ids[rows, -1:]
         responses: list[tuple[list[int], list[float]]] = [([], []) for _ in requests]
         active = [True] * n
-        past = None
-        for _ in range(max(limits)):
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            logits = out.logits[:, -1].float()
+        while True:
             next_tokens = [self.pad_token_id] * n  # finished rows are fed padding; no other row attends to them
             for row, (_, params, generator) in enumerate(requests):
                 if not active[row]:
@@ -165,11 +171,13 @@ class HFRolloutServer:
                 next_tokens[row] = token
                 active[row] = token not in self.eos_token_ids and len(responses[row][0]) < limits[row]
             if not any(active):
-                break
-            input_ids = torch.tensor(next_tokens)[:, None]
+                return responses
             attention_mask = torch.cat([attention_mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
-            position_ids = position_ids[:, -1:] + 1
-        return responses
+            position_ids = position_ids + 1
+            out = self.model(input_ids=torch.tensor(next_tokens)[:, None], attention_mask=attention_mask,
+                             position_ids=position_ids, past_key_values=past, use_cache=True, logits_to_keep=1)
+            past = out.past_key_values
+            logits = out.logits[:, -1].float()
 
     async def _serve_pending(self) -> None:
         """Answer the queued requests in batches; requests that arrive while a batch runs form the next."""

@@ -57,9 +57,9 @@ CPU_OVERRIDES = (
     "actor_rollout_ref.ref.fsdp_config.param_offload=False",
     # tokens per micro-batch: the recipe's 16,384 sizes a GPU's memory; on a CPU, 16,384 x a 49k vocabulary of
     # fp32 logits (and verl's copies of them) is several GB per run
-    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048",
-    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=2048",
-    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=2048",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=1024",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=1024",
     "actor_rollout_ref.rollout.agent.num_workers=1",
     "data.dataloader_num_workers=0",
     "reward.num_workers=1",

@@ -10,11 +10,13 @@ from pathlib import Path
 import pandas as pd
 
 from amir_verl.cpu.report import LAMBDA, NUM_PAIRS, REWARD, STEP_TIME
+from amir_verl.prompt_filter import PREFIX as FILTER_PREFIX
 
 PREF_TERM = "actor/amir_pref_term"
 VAL_ACC = re.compile(r"^val-core/(?P<source>.+)/acc/mean@\d+$")
 BRIER = re.compile(r"^(?P<run>\S+): Brier \(stated\) (?P<stated>\S+) over \d+\s+Brier \(missing as 1\) (?P<missing>\S+)",
                    re.M)
+DROPPED = re.compile(re.escape(FILTER_PREFIX) + r": (?P<source>.+): dropped (?P<dropped>\d+) of (?P<total>\d+) prompts")
 CAVEAT = (
     "One small run on generated one-step word problems, a 135M model and a handful of steps: it shows that "
     "every stage of the paper's pipeline runs as one piece on a real chat model and that AMIR acts (pairs are "
@@ -60,6 +62,14 @@ def _markdown(rows: list[dict[str, str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row[h] for h in head) + " |" for row in rows])
 
 
+def dropped_prompts(log: Path) -> list[tuple[str, int, int]]:
+    """(data source, dropped, total) of the validation files, from a run's log: the filter reports the train
+    files first, then the validation files, whose lines come last."""
+    lines = [m for m in DROPPED.finditer(log.read_text(errors="replace"))] if log.exists() else []
+    found = [(m["source"], int(m["dropped"]), int(m["total"])) for m in lines]
+    return found[-7:] if len(found) > 7 else found
+
+
 def mean_margins(results: Path, base_label: str, amir_label: str) -> dict[str, float]:
     path = results / f"margin_{base_label}_vs_{amir_label}.csv"
     if not path.exists():
@@ -69,7 +79,7 @@ def mean_margins(results: Path, base_label: str, amir_label: str) -> dict[str, f
 
 
 def summary(work: Path, pairs: list[tuple[str, str]], metrics: dict, outputs: dict[str, str], size) -> str:
-    from amir_verl.cpu.paper import VARIANTS
+    from amir_verl.cpu.paper import VARIANTS, experiment
 
     parts = [f"## CPU paper pipeline: SmolLM2-135M-Instruct, {size.steps} RL steps of "
              f"{size.prompts_per_step} prompts x 8, responses up to {size.response_tokens} tokens"]
@@ -90,5 +100,10 @@ def summary(work: Path, pairs: list[tuple[str, str]], metrics: dict, outputs: di
             f"- {label}: preference margin (merged model, amir-eval margin) {_fmt(margins.get(label), '+.4f')}; "
             f"Brier (stated) {briers.get(label, ('-', '-'))[0]}, (missing as 1) {briers.get(label, ('-', '-'))[1]}"
             for label in labels))
+    base_log = work / "outputs" / experiment(pairs[0][0]) / "main_ppo.log"
+    dropped = dropped_prompts(base_log)
+    if dropped:
+        parts.append("Validation prompts dropped by filter_overlong_prompts (max_prompt_length from the recipe): "
+                     + ", ".join(f"{source} {d} of {t}" for source, d, t in dropped))
     parts.append(CAVEAT)
     return "\n\n".join(parts)
