@@ -85,6 +85,7 @@ class Size:
     gsm8k_test_problems: int
     eval_problems: int  # per evaluation benchmark
     cold_start_steps: int
+    overlong_problems: int = 0  # OlympiadBench problems with a prompt over the recipe's limit (the filter drops them)
 
     def overrides(self) -> list[str]:
         return [
@@ -99,7 +100,7 @@ class Size:
 
 SIZES = {
     "default": Size(steps=6, prompts_per_step=2, response_tokens=64, train_problems=64, gsm8k_test_problems=4,
-                    eval_problems=2, cold_start_steps=12),
+                    eval_problems=2, cold_start_steps=12, overlong_problems=1),
     "test": Size(steps=2, prompts_per_step=2, response_tokens=40, train_problems=16, gsm8k_test_problems=2,
                  eval_problems=1, cold_start_steps=12),
 }
@@ -127,7 +128,8 @@ def _run(name: str, cmd: list[str], log_path: Path, timeout: float = 1800, env: 
 def prepare_data(work: Path, size: Size, seed: int) -> Path:
     """Raw files from the generator, then data_prep's own scripts with --local, as a user runs them."""
     raw = work / "data" / "raw"
-    folders = write_raw_datasets(raw, size.train_problems, size.gsm8k_test_problems, size.eval_problems, seed)
+    folders = write_raw_datasets(raw, size.train_problems, size.gsm8k_test_problems, size.eval_problems, seed,
+                                 overlong={"olympiadbench": size.overlong_problems})
     data = work / "data" / "amir"
     logs = work / "logs"
     _run("data_prep gsm8k", [sys.executable, str(REPO / "data_prep" / "gsm8k.py"), "--out", str(data / "gsm8k"),
