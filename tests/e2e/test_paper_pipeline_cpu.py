@@ -42,8 +42,12 @@ BETA, DELTA = 0.2, 0.5  # run.sh's beta for a model it does not name; amir.delta
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
+def pipeline(tmp_path_factory, smollm2):
     work = tmp_path_factory.mktemp("paper")
+    # the model-prep stage's output, made by the same command (tests/conftest.py): the pipeline reuses a
+    # workdir's prepared model, as on a rerun, which saves the suite one conversion
+    (work / "models").mkdir()
+    (work / "models" / "smollm2").symlink_to(smollm2, target_is_directory=True)
     done = subprocess.run([sys.executable, "-m", "amir_verl.cpu.paper", "--workdir", str(work), "--size", "test"],
                           capture_output=True, text=True, timeout=2400, cwd=REPO)
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
