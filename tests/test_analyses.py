@@ -199,3 +199,25 @@ def test_a_verl_merged_lora_folder_scores_as_the_trained_policy_not_its_base(toy
         got = model(input_ids=ids).logits
     assert not torch.allclose(expected, base, atol=1e-3)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_scoring_equals_each_response_scored_alone(toy_model):
+    """Left-padded batches of mixed prompt and response lengths, the last logits only: the same mean
+    log-probs as an unpadded forward of each sequence; an empty response is NaN, a missing prompt an error."""
+    model, tokenizer = analyses.load_model(toy_model)
+    pairs = [("q1: 3+4=?\nA: ", "7"), ("q2: 10+10=?\nA: ", "20 is it"), ("q1: 3+4=?\nA: ", "12"),
+             ("q33: 1+1=?\nA: ", ""), ("q4: 9+9=?\nA: ", "18"), ("q5: 2+2=?\nA: ", "4 4 4 4 4")]
+
+    def alone(prompt, response):
+        p, r = tokenizer(prompt, add_special_tokens=False)["input_ids"], tokenizer(response, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=torch.tensor([p + r])).logits[0].float(), -1)
+        return float(sum(lp[len(p) + t - 1, r[t]] for t in range(len(r))) / len(r))
+
+    for batch_size in (1, 3, 16):
+        got = analyses.mean_response_log_probs(model, tokenizer, pairs, batch_size=batch_size)
+        assert math.isnan(got[3])
+        assert [g for i, g in enumerate(got) if i != 3] == pytest.approx(
+            [alone(p, r) for i, (p, r) in enumerate(pairs) if i != 3], abs=1e-5)
+    with pytest.raises(analyses.EvaluationError, match="no prompt text"):
+        analyses.mean_response_log_probs(model, tokenizer, [("", "7")])

@@ -259,30 +259,55 @@ def load_model(path: str, device: str = "cpu", dtype: str = "float32"):
     return model.to(device).eval(), tokenizer
 
 
-def response_log_probs(model, tokenizer, prompt: str, response: str, device: str = "cpu") -> tuple[float, int]:
-    """(mean log-prob of the response tokens given the prompt, number of response tokens)."""
+SCORING_BATCH = 16  # responses per forward pass; sorted by length, so a prompt's samples mostly share one
+
+
+def mean_response_log_probs(model, tokenizer, pairs: Sequence[tuple[str, str]], device: str = "cpu",
+                            batch_size: int = SCORING_BATCH, progress=None) -> list[float]:
+    """Mean log-prob of each (prompt, response)'s response tokens given its prompt; NaN for an empty response.
+
+    Scored ``batch_size`` sequences per forward pass, left-padded to ``[batch, longest]`` with an attention
+    mask and position ids counted from each sequence's first token, so that every sequence ends at the last
+    position: the logits of the last (longest response + 1) positions predict every response token, and
+    only those are computed (a real vocabulary's logits over whole sequences are GBs)."""
     import torch
 
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
-    if not response_ids:
-        return math.nan, 0
-    if not prompt_ids:
-        raise EvaluationError("a sample has no prompt text: log-prob analyses need the prompt (verl's 'input')")
-    ids = torch.tensor([prompt_ids + response_ids], device=device)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
-    token = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt_ids):, None]).squeeze(-1)
-    return float(token.mean()), len(response_ids)
+    encoded = []
+    for prompt, response in pairs:
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+        if response_ids and not prompt_ids:
+            raise EvaluationError("a sample has no prompt text: log-prob analyses need the prompt (verl's 'input')")
+        encoded.append((prompt_ids, response_ids))
+    scores = [math.nan] * len(pairs)
+    order = sorted((i for i, (_, r) in enumerate(encoded) if r), key=lambda i: len(encoded[i][0]) + len(encoded[i][1]))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        sequences = [encoded[i][0] + encoded[i][1] for i in rows]
+        width, keep = max(map(len, sequences)), max(len(encoded[i][1]) for i in rows) + 1
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for k, sequence in enumerate(sequences):
+            ids[k, width - len(sequence):] = torch.tensor(sequence)
+            mask[k, width - len(sequence):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                           logits_to_keep=keep).logits.float()
+        # the kept window is positions width-keep .. width-1; position t predicts the token at t + 1
+        token = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, width - keep + 1:, None].to(device)).squeeze(-1)
+        for k, i in enumerate(rows):
+            scores[i] = float(token[k, -len(encoded[i][1]):].mean())
+        if progress and (start // batch_size + 1) % 10 == 0:
+            progress(f"scored {start + len(rows)}/{len(order)} responses")
+    return scores
 
 
 def _scored(samples, model, tokenizer, device, progress) -> list[tuple[Sample, float]]:
-    scored = []
-    for i, s in enumerate(samples):
-        scored.append((s, response_log_probs(model, tokenizer, s.prompt, s.response, device)[0]))
-        if progress and (i + 1) % 100 == 0:
-            progress(f"scored {i + 1}/{len(samples)} responses")
-    return [(s, lp) for s, lp in scored if not math.isnan(lp)]
+    scores = mean_response_log_probs(model, tokenizer, [(s.prompt, s.response) for s in samples], device,
+                                     progress=progress)
+    return [(s, lp) for s, lp in zip(samples, scores) if not math.isnan(lp)]
 
 
 def preference_margin(samples, model, tokenizer, device="cpu", progress=print) -> tuple[pd.DataFrame, dict]:
