@@ -109,3 +109,15 @@ def test_greedy_generation_stops_at_im_end(smollm2):
     assert response[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>") == 2
     assert len(response) < 48 and 2 not in response[:-1]
     assert tokenizer.decode(response, skip_special_tokens=True).strip()
+
+
+def test_a_local_hf_folder_is_copied_with_its_special_tokens_agreeing(tmp_path):
+    """The same command on a local HF folder (as on a hub id): the folder it writes passes the token check."""
+    from amir_verl.cpu.toy_task import make_assets
+    from amir_verl.models import main
+
+    source = make_assets(tmp_path / "toy", n_train=2, n_test=2)["model"]
+    assert main([source, "--out", str(tmp_path / "out")]) == 0
+    ids = check_special_tokens(tmp_path / "out")
+    assert ids["eos"] is not None and ids["pad"] is not None
+    assert main([source, "--out", str(tmp_path / "out")]) == 1  # an existing folder is never overwritten
