@@ -62,12 +62,12 @@ def _markdown(rows: list[dict[str, str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row[h] for h in head) + " |" for row in rows])
 
 
-def dropped_prompts(log: Path) -> list[tuple[str, int, int]]:
+def dropped_prompts(log: Path, validation_sources: int) -> list[tuple[str, int, int]]:
     """(data source, dropped, total) of the validation files, from a run's log: the filter reports the train
-    files first, then the validation files, whose lines come last."""
-    lines = [m for m in DROPPED.finditer(log.read_text(errors="replace"))] if log.exists() else []
-    found = [(m["source"], int(m["dropped"]), int(m["total"])) for m in lines]
-    return found[-7:] if len(found) > 7 else found
+    files first, then the validation files, whose ``validation_sources`` lines come last."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    found = [(m["source"], int(m["dropped"]), int(m["total"])) for m in DROPPED.finditer(text)]
+    return found[-validation_sources:]
 
 
 def mean_margins(results: Path, base_label: str, amir_label: str) -> dict[str, float]:
@@ -79,7 +79,7 @@ def mean_margins(results: Path, base_label: str, amir_label: str) -> dict[str, f
 
 
 def summary(work: Path, pairs: list[tuple[str, str]], metrics: dict, outputs: dict[str, str], size) -> str:
-    from amir_verl.cpu.paper import VARIANTS, experiment
+    from amir_verl.cpu.paper import EVAL_BENCHMARKS, VARIANTS, experiment
 
     parts = [f"## CPU paper pipeline: SmolLM2-135M-Instruct, {size.steps} RL steps of "
              f"{size.prompts_per_step} prompts x 8, responses up to {size.response_tokens} tokens"]
@@ -101,7 +101,7 @@ def summary(work: Path, pairs: list[tuple[str, str]], metrics: dict, outputs: di
             f"Brier (stated) {briers.get(label, ('-', '-'))[0]}, (missing as 1) {briers.get(label, ('-', '-'))[1]}"
             for label in labels))
     base_log = work / "outputs" / experiment(pairs[0][0]) / "main_ppo.log"
-    dropped = dropped_prompts(base_log)
+    dropped = dropped_prompts(base_log, validation_sources=1 + len(EVAL_BENCHMARKS))  # GSM8K's test split too
     if dropped:
         parts.append("Validation prompts dropped by filter_overlong_prompts (max_prompt_length from the recipe): "
                      + ", ".join(f"{source} {d} of {t}" for source, d, t in dropped))
