@@ -211,6 +211,7 @@ def policy_gradient_at_old(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     chunked: bool = False,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[float, float]:
     """The base policy loss at log_prob = old_log_probs and the L2 norm of its gradient over the response
     tokens, by autograd through ``policy_loss_fn``.
@@ -218,6 +219,8 @@ def policy_gradient_at_old(
     Args:
         policy_loss_fn: as for :func:`gradient_signal`.
         old_log_probs, advantages, response_mask: (N, T).
+        rollout_is_weights: (N, T) verl's importance weights (``algorithm.rollout_correction.rollout_is``),
+            which the actor's loss applies to the policy-gradient term, or None when the run has none.
         chunked: evaluate :data:`SIGNAL_CHUNK_TOKENS` tokens' worth of sequences at a time and add up the
             values and squared norms. Right only for a loss that is a sum of per-sequence parts under
             the whole batch's normalisers (``amir_verl.run_config.SPLIT_INVARIANT_BASE_MODES``); False
@@ -234,7 +237,8 @@ def policy_gradient_at_old(
         part = slice(start, start + rows)
         log_prob = old_log_probs[part].detach().clone().requires_grad_(True)
         loss, _ = policy_loss_fn(old_log_prob=old_log_probs[part], log_prob=log_prob, advantages=advantages[part],
-                                 response_mask=mask[part])
+                                 response_mask=mask[part],
+                                 rollout_is_weights=None if rollout_is_weights is None else rollout_is_weights[part])
         (grad,) = torch.autograd.grad(loss, log_prob, allow_unused=True)
         loss_value += float(loss.detach())
         if grad is not None:
@@ -250,17 +254,19 @@ def gradient_signal(
     response_mask: torch.Tensor,
     beta_dpo: float,
     chunked: bool = False,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> StepSignal:
     """Both terms at the start of the update, measured on the driver without a model.
 
     Args:
         policy_loss_fn: verl's registered base policy loss, called as verl's ``ppo_loss`` calls it
             (``old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-            rollout_is_weights``) with everything but ``log_prob`` bound by the caller.
+            rollout_is_weights``), with ``loss_agg_mode`` and ``config`` bound by the caller.
         step: the step's AMIR fields (:func:`compute_step_fields`).
         old_log_probs, advantages, response_mask: (N, T) the whole step batch.
         beta_dpo: beta of the DPO logit.
-        chunked: see :func:`policy_gradient_at_old`.
+        chunked, rollout_is_weights: see :func:`policy_gradient_at_old`. The preference term takes no
+            importance weight: it is a fixed-data objective over the mined pairs, not an on-policy estimate.
 
     The policy loss is evaluated at log_prob = old_log_probs (a leaf requiring grad) and differentiated
     by autograd, so the gradient is exact for any registered loss and aggregation. The preference
@@ -269,7 +275,8 @@ def gradient_signal(
     :func:`amir_verl.preference.pair_log_likelihood_per_sequence`, and its squared L2 norm over the
     tokens is (1/P^2) sum_k (dF/ds_k)^2 / |o_k|.
     """
-    pg_loss, pg_grad_norm = policy_gradient_at_old(policy_loss_fn, old_log_probs, advantages, response_mask, chunked)
+    pg_loss, pg_grad_norm = policy_gradient_at_old(policy_loss_fn, old_log_probs, advantages, response_mask, chunked,
+                                                   rollout_is_weights)
 
     pref_grad_norm = 0.0
     if step.num_pairs:

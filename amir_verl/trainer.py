@@ -75,15 +75,14 @@ def make_amir_loss_fn(config: DictConfig):
 def whole_batch_policy_loss(actor_config, num_sequences: int, num_tokens: int):
     """verl's registered base policy loss over a whole step batch as one piece (dp 1, one mini-batch).
 
-    Returns a callable of ``old_log_prob, log_prob, advantages, response_mask`` for
+    Returns a callable of ``old_log_prob, log_prob, advantages, response_mask, rollout_is_weights`` for
     :func:`amir_verl.step_batch.gradient_signal`; ``actor_config`` carries the base loss mode.
     """
     whole = dataclasses.replace(actor_config, global_batch_info={
         "dp_size": 1, "batch_num_tokens": num_tokens, "global_batch_size": num_sequences,
         "loss_scale_factor": actor_config.loss_scale_factor,
     })
-    return partial(get_policy_loss_fn(whole.policy_loss.loss_mode), loss_agg_mode=whole.loss_agg_mode, config=whole,
-                   rollout_is_weights=None)
+    return partial(get_policy_loss_fn(whole.policy_loss.loss_mode), loss_agg_mode=whole.loss_agg_mode, config=whole)
 
 
 def describe_update_semantics(config: DictConfig) -> str | None:
@@ -162,7 +161,9 @@ class AmirPPOTrainer(PPOTrainerSync):
 
     def _compute_advantage(self, batch, metrics: dict):
         batch = super()._compute_advantage(batch, metrics)
-        fields = ["uid", "response_mask", "rm_scores", "old_log_probs", "advantages"]
+        # rollout_is_weights: written by super() when algorithm.rollout_correction.rollout_is is set (a field
+        # absent from the store is left out of the answer, as in verl's own select list)
+        fields = ["uid", "response_mask", "rm_scores", "old_log_probs", "advantages", "rollout_is_weights"]
         if not self.amir.reference_free:
             fields.append("ref_log_prob")
         if self.config.algorithm.use_kl_in_reward:
@@ -192,6 +193,7 @@ class AmirPPOTrainer(PPOTrainerSync):
             response_mask=response_mask,
             beta_dpo=self.amir.beta_dpo,
             chunked=self.base_actor_config.policy_loss.loss_mode in SPLIT_INVARIANT_BASE_MODES,
+            rollout_is_weights=padded["rollout_is_weights"].float() if "rollout_is_weights" in padded.keys() else None,
         )
         lambda_reg = self.lambda_controller.step(signal)
         self._step_dump_fields = {

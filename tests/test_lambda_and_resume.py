@@ -241,16 +241,20 @@ def ragged_step(n=11, width=9, seed=0):
     return old, advantages, mask
 
 
+@pytest.mark.parametrize("importance_weighted", [False, True])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 @pytest.mark.parametrize("mode", sorted(SPLIT_INVARIANT_BASE_MODES))
-def test_chunked_base_loss_gradient_equals_the_whole_batch_one(monkeypatch, mode, agg):
-    """Chunks of 3 sequences (the last one of 2) give verl's whole-batch loss value and gradient norm."""
+def test_chunked_base_loss_gradient_equals_the_whole_batch_one(monkeypatch, mode, agg, importance_weighted):
+    """Chunks of 3 sequences (the last one of 2) give verl's whole-batch loss value and gradient norm, with
+    verl's importance weights (rollout_is) sliced with their sequences."""
     old, advantages, mask = ragged_step()
+    weights = (0.5 + torch.rand(old.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+               if importance_weighted else None)
     loss_fn = whole_batch_policy_loss(actor_config(mode, agg, **POLICY_OPTIONS.get(mode, {})), len(old),
                                       int(mask.sum()))
-    whole = policy_gradient_at_old(loss_fn, old, advantages, mask, chunked=False)
+    whole = policy_gradient_at_old(loss_fn, old, advantages, mask, chunked=False, rollout_is_weights=weights)
     monkeypatch.setattr(step_batch, "SIGNAL_CHUNK_TOKENS", 3 * old.shape[1])
-    chunked = policy_gradient_at_old(loss_fn, old, advantages, mask, chunked=True)
+    chunked = policy_gradient_at_old(loss_fn, old, advantages, mask, chunked=True, rollout_is_weights=weights)
     assert whole[1] > 0
     assert chunked == pytest.approx(whole, rel=1e-10, abs=1e-15)
 

@@ -27,6 +27,8 @@ from amir_verl.testing import (
     grads,
     make_step_batch,
     nested,
+    padded,
+    response_log_probs,
     run_actor_update,
     tiny_model,
 )
@@ -66,8 +68,9 @@ def make_trainer(overrides):
     return trainer
 
 
-def put_step_batch(batch, partition):
-    """What the rollout, old-log-prob and ref steps leave in TransferQueue for one step batch."""
+def put_step_batch(batch, partition, rollout_log_probs=None):
+    """What the rollout, old-log-prob and ref steps leave in TransferQueue for one step batch; with
+    ``rollout_log_probs`` (one row per sample), also the rollout engine's log-probs."""
     n = len(batch)
     rm_scores = []
     for i in range(n):
@@ -86,6 +89,7 @@ def put_step_batch(batch, partition):
             "old_log_probs": nested(batch.old_log_probs),
             "ref_log_prob": nested(batch.ref_log_probs),
             "uid": list(batch.uids),
+            **({} if rollout_log_probs is None else {"rollout_log_probs": nested(rollout_log_probs)}),
         }
     )
     tags = [{"is_padding": p} for p in batch.is_padding]
@@ -127,6 +131,40 @@ def test_compute_advantage_then_actor_update_is_exact(transfer_queue, reference)
     # TransferQueue keeps the AMIR fields in float32: agreement to float32 precision
     for a, e in zip(grads(model), expected, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
+
+
+def test_lambda_measurement_applies_verls_importance_weights(transfer_queue):
+    """With algorithm.rollout_correction.rollout_is=token, verl's _compute_advantage stores truncated IS
+    weights min(exp(old - rollout), 2) that the actor's loss multiplies into the policy-gradient term; the
+    driver's pg_grad_norm (and with it grad_share, the lambda rule's input) is that loss's gradient norm.
+    Brute force: vanilla token-mean at ratio 1 has gradient -A_t * w_t / (number of tokens) per token."""
+    model, ref_model, behaviour = tiny_model(seed=0), tiny_model(seed=1), tiny_model(seed=2)
+    batch = make_step_batch(model, ref_model, [6, 5, 4, 4, 5], seed=12)
+    with torch.no_grad():
+        rollout = [response_log_probs(behaviour, p, r) for p, r in zip(batch.prompts, batch.responses)]
+    rollout[0] = rollout[0] - 1.0  # weights above verl's threshold 2: truncated
+    meta = put_step_batch(batch, partition="train_is", rollout_log_probs=rollout)
+    trainer = make_trainer(["algorithm.rollout_correction.rollout_is=token"])
+
+    metrics = {}
+    meta = trainer._compute_advantage(meta, metrics)
+
+    stored = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
+                             select_fields=["advantages", "rollout_is_weights"])
+    assert "rollout_is_weights" in meta.fields  # what the actor's ppo_loss will apply
+    mask = padded([batch.response_mask(i) for i in range(len(batch))]).double()
+    width = mask.shape[1]
+    weights = (padded(batch.old_log_probs, width) - padded(rollout, width)).exp().clamp(max=2.0) * mask
+    assert float((((weights - 1).abs() > 0.1) & mask.bool()).double().sum()) > 10 and float(weights.max()) == 2.0
+    torch.testing.assert_close(stored["rollout_is_weights"].to_padded_tensor(0.0).double() * mask, weights,
+                               rtol=1e-5, atol=1e-6)
+    advantages = stored["advantages"].to_padded_tensor(0.0).double() * mask
+    with_weights = float((advantages * weights).norm() / mask.sum())
+    without_weights = float(advantages.norm() / mask.sum())
+    assert metrics["amir/pg_grad_norm"] == pytest.approx(with_weights, rel=1e-5)
+    assert without_weights != pytest.approx(with_weights, rel=1e-2)
+    assert metrics["amir/grad_share"] == pytest.approx(
+        metrics["amir/pref_grad_norm"] / (with_weights + metrics["amir/pref_grad_norm"]), rel=1e-5)
 
 
 def test_no_reference_in_store_fails_clearly(transfer_queue):
