@@ -2,7 +2,7 @@
 
 They run twice: on the driver inside verl's ``validate_config`` (wrapped by
 :func:`install_early_config_check`, so ``main_ppo`` stops before Ray starts), and in
-``AmirPPOTrainer.__init__`` (for code that builds the trainer without ``main_ppo``).
+the AMIR trainers' ``__init__`` (for code that builds a trainer without ``main_ppo``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,16 @@ UNSUPPORTED_BASE_MODES = ("bypass_mode",)
 # micro-batches equals the whole-batch gradient. Not in the list: geo_mean (a plain mean over its input),
 # clip_cov / kl_cov (a top-k over the input's tokens), evaluated as one piece.
 SPLIT_INVARIANT_BASE_MODES = ("vanilla", "gspo", "cispo", "gpg", "dppo_tv", "dppo_kl", "sapo", "dro")
+
+
+# trainer.v1.trainer_mode of each AMIR trainer (amir_verl.trainer) -> the verl V1 mode whose schedule it runs
+AMIR_TRAINER_MODES = {"amir": "sync", "amir_colocate_async": "colocate_async", "amir_separate_async": "separate_async"}
+AMIR_TRAINER_MODE_KEY = "trainer.v1.trainer_mode"
+
+
+def base_parameter_sync_step(config: DictConfig, base_mode: str) -> int:
+    """Local updates per step: ``trainer.v1.<base mode>.parameter_sync_step`` as ``PPOTrainer.__init__`` reads it."""
+    return int(OmegaConf.select(config, f"trainer.v1.{base_mode}.parameter_sync_step", default=1))
 
 
 def resolve_base_loss_mode(loss_mode: str, amir: AmirConfig) -> str:
@@ -72,8 +82,10 @@ def validate_amir_run(config: DictConfig) -> AmirConfig:
     resolve_base_loss_mode(loss_mode, amir)
     rollout_correction = config.get("algorithm", {}).get("rollout_correction", None)
     if rollout_correction is not None and rollout_correction.get("bypass_mode", False):
-        raise ValueError("AMIR does not combine with algorithm.rollout_correction.bypass_mode=True: verl then "
-                         f"replaces {LOSS_MODE_KEY} with its own bypass_mode loss")
+        raise ValueError("AMIR does not combine with algorithm.rollout_correction.bypass_mode=True, in any "
+                         f"schedule: verl then replaces {LOSS_MODE_KEY} with its own bypass_mode loss, and takes "
+                         "old_log_probs from the rollout engine (the behaviour policy, possibly several versions), "
+                         "so the partners' frozen scores would not be at the weights the update starts from")
     if not amir.reference_free and not need_reference_policy(config):
         raise ValueError(
             f"{CONFIG_NAMESPACE}.reference=ref needs reference log-probs, which this run does not compute: add "
@@ -96,20 +108,20 @@ def validate_amir_run(config: DictConfig) -> AmirConfig:
     distillation = config.get("distillation")
     if distillation is not None and distillation.get("enabled", False):
         raise ValueError("AMIR does not combine with on-policy distillation: set distillation.enabled=False")
-    # verl reads parameter_sync_step under the trainer's mode, which AmirPPOTrainer reports as "sync",
-    # and in its rollout skip (skip.rollout_tq) under the configured mode "amir" (tests/test_verl_rules.py)
-    trainer_steps = OmegaConf.select(config, "trainer.v1.sync.parameter_sync_step", default=1)
-    skip_steps = OmegaConf.select(config, "trainer.v1.amir.parameter_sync_step", default=1)
-    if trainer_steps != skip_steps:
+    # verl reads parameter_sync_step under the trainer's mode, which an AMIR trainer reports as its base mode,
+    # and in its rollout skip (skip.rollout_tq, the only other reader) under the configured AMIR mode
+    # (tests/test_verl_rules.py): with the skip on, the two must agree
+    trainer_mode = OmegaConf.select(config, AMIR_TRAINER_MODE_KEY, default="amir")
+    base_mode = AMIR_TRAINER_MODES.get(trainer_mode, "sync")
+    trainer_steps = base_parameter_sync_step(config, base_mode)
+    skip_steps = OmegaConf.select(config, f"trainer.v1.{trainer_mode}.parameter_sync_step", default=1)
+    if OmegaConf.select(config, "skip.rollout_tq.enable", default=False) and trainer_steps != skip_steps:
         raise ValueError(
-            f"trainer.v1.sync.parameter_sync_step={trainer_steps} but trainer.v1.amir.parameter_sync_step="
-            f"{skip_steps}: the AMIR trainer (verl's sync trainer) reads the first, verl's rollout skip the "
-            "second; set both alike"
+            f"trainer.v1.{base_mode}.parameter_sync_step={trainer_steps} but trainer.v1.{trainer_mode}."
+            f"parameter_sync_step={skip_steps}: the AMIR trainer (verl's {base_mode} trainer) reads the first, "
+            f"verl's rollout skip (skip.rollout_tq.enable=True) the second; set both alike"
         )
     return amir
-
-
-AMIR_TRAINER_MODE_KEY = "trainer.v1.trainer_mode"
 
 
 def check_amir_run(config: DictConfig) -> None:
@@ -118,14 +130,18 @@ def check_amir_run(config: DictConfig) -> None:
     loss_mode = config.actor_rollout_ref.actor.policy_loss.get("loss_mode", "vanilla")
     trainer = config.get("trainer", {})
     trainer_mode = trainer.get("v1", {}).get("trainer_mode", "sync")
-    if loss_mode not in AMIR_LOSS_MODES and trainer_mode != "amir":
+    if loss_mode not in AMIR_LOSS_MODES and trainer_mode not in AMIR_TRAINER_MODES:
         return
     if loss_mode in AMIR_LOSS_MODES and not trainer.get("use_v1", True):
         raise ValueError(f"{LOSS_MODE_KEY}={loss_mode} needs verl's V1 trainer: set trainer.use_v1=True")
-    if loss_mode in AMIR_LOSS_MODES and trainer_mode != "amir":
+    if loss_mode in AMIR_LOSS_MODES and trainer_mode not in AMIR_TRAINER_MODES:
+        amir_mode = next((m for m, base in AMIR_TRAINER_MODES.items() if base == trainer_mode), None)
+        hint = (f"{AMIR_TRAINER_MODE_KEY}={amir_mode} (verl's {trainer_mode} schedule with AMIR)" if amir_mode else
+                f"{AMIR_TRAINER_MODE_KEY}=amir (or " + " / ".join(m for m in AMIR_TRAINER_MODES if m != "amir")
+                + " for verl's async schedules)")
         raise ValueError(
-            f"{LOSS_MODE_KEY}={loss_mode} needs the AMIR trainer, which adds the preference term: add "
-            f"{AMIR_TRAINER_MODE_KEY}=amir (got {trainer_mode!r})"
+            f"{LOSS_MODE_KEY}={loss_mode} needs an AMIR trainer, which adds the preference term: add "
+            f"{hint} (got {trainer_mode!r})"
         )
     validate_amir_run(config)
 

@@ -1,20 +1,31 @@
-"""Driver side of the verl glue: the V1 trainer mode ``amir``.
+"""Driver side of the verl glue: the V1 trainer modes ``amir``, ``amir_colocate_async`` and ``amir_separate_async``.
 
-``trainer.v1.trainer_mode=amir`` selects :class:`AmirPPOTrainer`, verl's synchronous trainer
-(``PPOTrainerSync``) with these small additions, each calling the upstream method first:
+``trainer.v1.trainer_mode=<mode>`` selects one of three classes, each :class:`AmirTrainerMixin` put before
+one of verl's V1 trainers, so that there is one copy of the AMIR logic whatever the schedule
+(:data:`amir_verl.run_config.AMIR_TRAINER_MODES`):
+
+- ``amir``: :class:`AmirPPOTrainer` on ``PPOTrainerSync``;
+- ``amir_colocate_async``: :class:`AmirColocateAsyncTrainer` on ``PPOTrainerColocateAsync`` (rollout and
+  training share the devices; partial rollouts resume under new weights);
+- ``amir_separate_async``: :class:`AmirSeparateAsyncTrainer` on ``PPOTrainerSeparateAsync`` (a standalone
+  rollout pool; ``parameter_sync_step`` local updates per weight sync).
+
+The mixin's additions, each calling the upstream method first:
 
 - ``__init__``: validates the AMIR config before any worker or model starts.
 - ``on_init_end``: installs :func:`amir_verl.actor_loss.amir_ppo_loss` on the actor workers
   (``ActorRolloutRefWorker.set_loss_fn``).
-- ``_compute_advantage``: after verl's advantages, mines the step's pairs over the whole batch,
-  measures both terms' gradients at the start of the update (verl's registered base policy loss,
-  differentiated on the driver), lets the lambda controller pick this step's lambda, and stores each
-  sequence's AMIR fields in TransferQueue beside ``advantages``; logs ``amir/*``.
+- ``_compute_advantage``: after verl's advantages (and importance weights), mines the pairs of the batch
+  it is given (the whole step in sync mode, one local update's batch in the async modes), measures both
+  terms' gradients at the start of the update (verl's registered base policy loss with verl's
+  ``rollout_is_weights``, differentiated on the driver), lets the lambda controller pick the update's
+  lambda, and stores each sequence's AMIR fields in TransferQueue beside ``advantages``; logs ``amir/*``.
 - ``_log_rollout_data`` (with ``trainer.rollout_data_dir``): each dumped sequence also carries its AMIR
   fields (:data:`DUMPED_FIELDS`), so that a step's pairs and preference loss can be recomputed from the dump.
 - ``_save_checkpoint`` / ``_load_checkpoint``: the controller's state travels with verl's checkpoint.
 
-The upstream sources of these methods are pinned by ``tests/test_verl_seams.py``.
+The upstream sources of these methods are pinned by ``tests/test_verl_seams.py``; every read of the
+trainer mode in verl is listed, with how each class handles it, in ``tests/test_verl_rules.py``.
 """
 
 from __future__ import annotations
@@ -31,13 +42,20 @@ from tensordict import TensorDict
 
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.trainer.ppo.v1.trainer_base import register_trainer
+from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
+from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 from verl.utils.config import omega_conf_to_dataclass
 
-from amir_verl.actor_loss import AMIR_TRAINER_MODE, amir_ppo_loss, base_actor_config
+from amir_verl.actor_loss import amir_ppo_loss, base_actor_config
 from amir_verl.lambda_control import LambdaController
-from amir_verl.run_config import SPLIT_INVARIANT_BASE_MODES, resolve_base_loss_mode, validate_amir_run
+from amir_verl.run_config import (
+    SPLIT_INVARIANT_BASE_MODES,
+    base_parameter_sync_step,
+    resolve_base_loss_mode,
+    validate_amir_run,
+)
 from amir_verl.step_batch import (
     EXTRA_LAMBDA,
     EXTRA_NUM_MINI_BATCHES,
@@ -85,19 +103,36 @@ def whole_batch_policy_loss(actor_config, num_sequences: int, num_tokens: int):
     return partial(get_policy_loss_fn(whole.policy_loss.loss_mode), loss_agg_mode=whole.loss_agg_mode, config=whole)
 
 
-def describe_update_semantics(config: DictConfig) -> str | None:
-    """One line on how the term behaves with several mini-batches or epochs; None for one of each."""
+def describe_update_semantics(config: DictConfig, base_mode: str) -> str | None:
+    """One line on how the term behaves under the schedule's local updates, mini-batches and epochs; None
+    when each step is one optimizer step on data whose partners are frozen at the update's starting weights.
+
+    verl splits a step into ``parameter_sync_step`` local updates (``PPOTrainer.step``), each sampling
+    ``train_batch_size / parameter_sync_step`` prompts, recomputing ``old_log_probs`` and running
+    ``_compute_advantage`` (so mining the pairs and picking a lambda) and the actor update, which splits
+    its batch into mini-batches. ``old_log_probs`` are the actor's current weights, except in
+    ``separate_async`` local updates j >= 1, where verl restores the cycle's starting weights (pi_old) first.
+    """
     actor = config.actor_rollout_ref.actor
-    mini_batches = config.data.train_batch_size // actor.ppo_mini_batch_size
+    local_updates = base_parameter_sync_step(config, base_mode)
+    mini_batches = config.data.train_batch_size // local_updates // actor.ppo_mini_batch_size
     epochs = actor.get("ppo_epochs", 1)
-    if mini_batches == 1 and epochs == 1:
-        return None
-    return (
-        f"AMIR: {mini_batches} mini-batch(es) x {epochs} epoch(s) per step: each sequence's pair terms use its "
-        "current log-prob against its partners' log-probs frozen at the start of the update (like the "
-        "advantages); the term is exact only for the first optimizer step. Each step weighs it by the number "
-        "of mini-batches (README, 'Mini-batches and epochs')."
-    )
+    lines = []
+    if local_updates > 1:
+        where = ("pi_old, the weights at the start of the sync cycle (verl's decoupled PPO): the term is exact "
+                 "for local update 0 and an anchored surrogate for the later ones" if base_mode == "separate_async"
+                 else "the weights each local update starts from")
+        lines.append(f"AMIR: {local_updates} local updates per step ({base_mode}), each mining its own pairs and "
+                     f"picking its own lambda; partners are frozen at {where}; verl averages the amir/* metrics "
+                     "over the local updates.")
+    if mini_batches > 1 or epochs > 1:
+        lines.append(
+            f"AMIR: {mini_batches} mini-batch(es) x {epochs} epoch(s) per update: each sequence's pair terms use "
+            "its current log-prob against its partners' log-probs frozen at the start of the update (like the "
+            "advantages); the term is exact only for the first optimizer step. Each update weighs it by the "
+            "number of mini-batches (README, 'Mini-batches and epochs')."
+        )
+    return " ".join(lines) or None
 
 
 def write_amir_state(folder: str, global_steps: int, controller: LambdaController) -> None:
@@ -129,31 +164,38 @@ def lambda_metrics(signal, lambda_reg: float) -> dict[str, float]:
     }
 
 
-@register_trainer(AMIR_TRAINER_MODE)
-class AmirPPOTrainer(PPOTrainerSync):
-    """verl's synchronous V1 trainer plus AMIR's preference term (see the module docstring)."""
+class AmirTrainerMixin:
+    """AMIR's additions to one of verl's V1 trainers (see the module docstring); put before verl's class.
+
+    ``AMIR_MODE`` is the configured ``trainer.v1.trainer_mode``; ``BASE_MODE`` the verl mode whose schedule
+    the class runs, which is what the trainer object reports as ``trainer_mode``.
+    """
+
+    AMIR_MODE: str
+    BASE_MODE: str
 
     def __init__(self, config: DictConfig):
         self.amir, self.base_actor_config = run_base_actor_config(config)
         self.lambda_controller = self.amir.make_lambda_controller()
-        semantics = describe_update_semantics(config)
+        self._step_dump_fields = {name: {} for name in DUMPED_FIELDS}
+        semantics = describe_update_semantics(config, self.BASE_MODE)
         if semantics:
             logger.warning(semantics)
         super().__init__(config)
 
-    # verl 0.9.1 tests ``trainer_mode == "sync"`` in _build_replay_buffer, _init_dataloader,
+    # verl 0.9.1 compares ``trainer_mode`` with "sync" in _build_replay_buffer, _init_dataloader,
     # _load_checkpoint, _save_checkpoint, _reissue_inflight_prompts and _submit_batch_to_rollout, and
-    # reads its options from ``trainer.v1.<trainer_mode>``. AMIR runs PPOTrainerSync's schedule, so it
-    # reports "sync" there; PPOTrainer.__init__ assigns the configured name, which is ignored. Every read
-    # of the mode in verl is listed in tests/test_verl_rules.py.
+    # reads its options from ``trainer.v1.<trainer_mode>``. Each AMIR class runs its base class's schedule,
+    # so it reports the base mode there; PPOTrainer.__init__ assigns the configured name, which is ignored.
+    # Every read of the mode in verl is listed in tests/test_verl_rules.py.
     @property
     def trainer_mode(self) -> str:
-        return "sync"
+        return self.BASE_MODE
 
     @trainer_mode.setter
     def trainer_mode(self, value: str) -> None:
-        if value != AMIR_TRAINER_MODE:
-            raise ValueError(f"AmirPPOTrainer is trainer mode {AMIR_TRAINER_MODE!r}, got {value!r}")
+        if value != self.AMIR_MODE:
+            raise ValueError(f"{type(self).__name__} is trainer mode {self.AMIR_MODE!r}, got {value!r}")
 
     def on_init_end(self):
         super().on_init_end()
@@ -196,11 +238,12 @@ class AmirPPOTrainer(PPOTrainerSync):
             rollout_is_weights=padded["rollout_is_weights"].float() if "rollout_is_weights" in padded.keys() else None,
         )
         lambda_reg = self.lambda_controller.step(signal)
-        self._step_dump_fields = {
-            name: dict(zip(batch.keys, values.tolist()))
-            for name, values in zip(DUMPED_FIELDS, (step.old_seq_logp, step.ref_seq_logp, step.partner_score,
-                                                     step.partner_sign))
-        }
+        # verl dumps a step's rollouts once, after its last local update (PPOTrainer.fit): collect them all
+        if self.local_trigger_step == 0:
+            self._step_dump_fields = {name: {} for name in DUMPED_FIELDS}
+        for name, values in zip(DUMPED_FIELDS, (step.old_seq_logp, step.ref_seq_logp, step.partner_score,
+                                                step.partner_sign)):
+            self._step_dump_fields[name].update(zip(batch.keys, values.tolist()))
         # The workers fetch exactly the fields the returned meta lists (verl's tqbridge), so keep it.
         stored = tq.kv_batch_put(
             keys=batch.keys,
@@ -268,4 +311,26 @@ class AmirPPOTrainer(PPOTrainerSync):
         else:
             folder = find_latest_ckpt_path(self.config.trainer.default_local_dir)
         return folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
+
+
+
+@register_trainer("amir")
+class AmirPPOTrainer(AmirTrainerMixin, PPOTrainerSync):
+    """verl's synchronous V1 trainer plus AMIR's preference term."""
+
+    AMIR_MODE, BASE_MODE = "amir", "sync"
+
+
+@register_trainer("amir_colocate_async")
+class AmirColocateAsyncTrainer(AmirTrainerMixin, PPOTrainerColocateAsync):
+    """verl's colocated asynchronous V1 trainer plus AMIR's preference term."""
+
+    AMIR_MODE, BASE_MODE = "amir_colocate_async", "colocate_async"
+
+
+@register_trainer("amir_separate_async")
+class AmirSeparateAsyncTrainer(AmirTrainerMixin, PPOTrainerSeparateAsync):
+    """verl's separated asynchronous V1 trainer (decoupled PPO) plus AMIR's preference term."""
+
+    AMIR_MODE, BASE_MODE = "amir_separate_async", "separate_async"
 

@@ -178,3 +178,27 @@ def test_early_check_inside_verls_validate_config():
     with pytest.raises(ValueError, match=r"amir\.base_loss_mode='nope'"):
         check_amir_run(compose_verl(GRPO + amir_on + ["+amir.base_loss_mode=nope"]))
     check_amir_run(compose_verl(GRPO + amir_on + ["+amir.base_loss_mode=gpg"]))
+
+
+@pytest.mark.parametrize("verl_mode, amir_mode", [("colocate_async", "amir_colocate_async"),
+                                                  ("separate_async", "amir_separate_async")])
+def test_an_amir_loss_under_verls_async_mode_names_the_amir_async_mode(verl_mode, amir_mode):
+    from amir_verl.run_config import check_amir_run
+
+    config = compose_verl(GRPO + [AMIR[0], f"trainer.v1.trainer_mode={verl_mode}",
+                                  "actor_rollout_ref.actor.use_kl_loss=True"])
+    with pytest.raises(ValueError, match=rf"add trainer\.v1\.trainer_mode={amir_mode} \(verl's {verl_mode} schedule"):
+        check_amir_run(config)
+
+
+@pytest.mark.parametrize("mode", ["amir", "amir_colocate_async", "amir_separate_async"])
+def test_bypass_mode_is_refused_under_every_amir_trainer(mode):
+    """verl's bypass mode takes old_log_probs from the rollout engine (the behaviour policy, possibly several
+    versions) and swaps the loss mode for its own: the partners' frozen scores would not be at the update's
+    starting weights, and the preference term would be lost."""
+    from amir_verl.run_config import check_amir_run
+
+    config = compose_verl(GRPO + [AMIR[0], f"trainer.v1.trainer_mode={mode}", "actor_rollout_ref.actor.use_kl_loss=True",
+                                  "algorithm.rollout_correction.bypass_mode=True"])
+    with pytest.raises(ValueError, match=r"bypass_mode=True"):
+        check_amir_run(config)

@@ -65,6 +65,7 @@ def make_trainer(overrides):
     trainer.config = config
     trainer.amir, trainer.base_actor_config = run_base_actor_config(config)
     trainer.lambda_controller = trainer.amir.make_lambda_controller()
+    trainer.local_trigger_step = 0  # PPOTrainer.__init__'s: the first local update of the step
     return trainer
 
 

@@ -17,14 +17,14 @@ from omegaconf import OmegaConf
 import verl
 from verl.protocol import DataProto
 from verl.trainer.ppo.core_algos import AdvantageEstimator
-from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
 from verl.utils.skip.rollout_skip import RolloutTqSkip
 
 from amir_verl.config import AmirConfig
-from amir_verl.run_config import validate_amir_run
+from amir_verl.run_config import AMIR_TRAINER_MODES, validate_amir_run
 from amir_verl.step_batch import session_final_mask
-from amir_verl.trainer import AmirPPOTrainer, write_amir_state
+from amir_verl.trainer import AmirPPOTrainer, AmirTrainerMixin, write_amir_state
 from tests.test_config import AMIR, GRPO, compose_verl
 
 # ------------------------------------------------------------ which outputs of an agent session count
@@ -164,53 +164,56 @@ VERL_ROOT = Path(verl.__file__).parent
 
 # Every place verl 0.9.1 reads ``trainer_mode`` or ``trainer.v1.*`` (found by scanning verl's source:
 # the attributes ``trainer_mode`` / ``v1`` and config paths in strings), keyed by file, enclosing
-# function and source line, with how AMIR (``trainer.v1.trainer_mode=amir``) handles it.
-# AmirPPOTrainer.trainer_mode answers "sync" on the trainer object; the config keeps "amir".
-SYNC = 'AmirPPOTrainer.trainer_mode is "sync": verl\'s sync behaviour, as AMIR runs PPOTrainerSync\'s schedule'
+# function and source line, with how the AMIR trainers handle it. Each AMIR trainer object answers its base
+# mode (amir -> sync, amir_colocate_async -> colocate_async, amir_separate_async -> separate_async); the
+# config keeps the AMIR name.
+BASE = ("the trainer object reports its base mode: verl's behaviour for that schedule, which the AMIR class runs "
+        "(test_each_amir_trainer_runs_on_its_base_modes_sections)")
+INHERITED = ("inherited by the AMIR class on this base, which reads the base section as verl's own class does "
+             "(test_each_amir_trainer_runs_on_its_base_modes_sections)")
 TRAINER_MODE_READS = {
     ("trainer/main_ppo.py", "TaskRunnerV1.run", "trainer_cls = get_trainer_cls(config.trainer.v1.trainer_mode)"):
-        "config 'amir' -> AmirPPOTrainer (test_verl_seams: registered through the plugin)",
+        "config 'amir*' -> the AMIR class on that base (test_verl_seams: registered through the plugin)",
     ("trainer/ppo/v1/trainer_base.py", "PPOTrainer.__init__",
      "self.trainer_mode = self.config.trainer.v1.trainer_mode"):
-        "the setter accepts only 'amir' and ignores it (test_amir_trainer_runs_on_the_sync_sections)",
+        "the setter accepts only the class's own AMIR name and ignores it",
     ("trainer/ppo/v1/trainer_base.py", "PPOTrainer.__init__",
      'self.parameter_sync_step = self.config.trainer.v1.get(self.trainer_mode, {}).get("parameter_sync_step", 1)'):
-        "reads trainer.v1.sync (test_amir_trainer_runs_on_the_sync_sections); must equal rollout_skip's read",
+        "reads the base mode's section; must equal rollout_skip's read when the skip is on",
     ("trainer/ppo/v1/trainer_base.py", "PPOTrainer._build_replay_buffer",
-     'sampler_cls = ReplayBuffer if self.trainer_mode == "sync" else ReplayBufferAsync'): SYNC,
+     'sampler_cls = ReplayBuffer if self.trainer_mode == "sync" else ReplayBufferAsync'): BASE,
     ("trainer/ppo/v1/trainer_base.py", "PPOTrainer._build_replay_buffer",
      "sampler_config = self.config.trainer.v1.sampler"): "mode-independent section, used as is",
     ("trainer/ppo/v1/trainer_base.py", "PPOTrainer._build_replay_buffer",
-     "trainer_config=self.config.trainer.v1.get(self.trainer_mode, {}),"):
-        "reads trainer.v1.sync (test_amir_trainer_runs_on_the_sync_sections)",
+     "trainer_config=self.config.trainer.v1.get(self.trainer_mode, {}),"): BASE,
     ("trainer/ppo/v1/trainer_base.py", "PPOTrainer._build_replay_buffer", "trainer_mode=self.trainer_mode,"):
-        "the replay buffer gets 'sync' (stored only, ReplayBuffer.__init__ below)",
+        "the replay buffer gets the base mode (stored only, ReplayBuffer.__init__ below)",
     ("trainer/ppo/v1/replay_buffer.py", "ReplayBuffer.__init__", "self.trainer_mode = trainer_mode"):
         "stored, never read by ReplayBuffer",
     ("trainer/ppo/v1/trainer_base.py", "PPOTrainer._init_dataloader",
-     'requires_exact_refill = self.trainer_mode != "sync" or dapo_enabled or sync_refill_failed_groups'): SYNC,
+     'requires_exact_refill = self.trainer_mode != "sync" or dapo_enabled or sync_refill_failed_groups'): BASE,
     ("trainer/ppo/v1/trainer_base.py", "PPOTrainer._init_dataloader",
      'sync_refill_failed_groups = bool(self.config.trainer.v1.sampler.get("sync_refill_failed_groups", False))'):
         "mode-independent section, used as is",
-    ("trainer/ppo/v1/trainer_base.py", "PPOTrainer._load_checkpoint", 'if self.trainer_mode != "sync":'): SYNC,
-    ("trainer/ppo/v1/trainer_base.py", "PPOTrainer._reissue_inflight_prompts", 'if self.trainer_mode == "sync":'): SYNC,
-    ("trainer/ppo/v1/trainer_base.py", "PPOTrainer._save_checkpoint", 'if self.trainer_mode != "sync":'): SYNC,
-    ("trainer/ppo/v1/trainer_base.py", "PPOTrainer._submit_batch_to_rollout", 'if self.trainer_mode != "sync":'): SYNC,
+    ("trainer/ppo/v1/trainer_base.py", "PPOTrainer._load_checkpoint", 'if self.trainer_mode != "sync":'):
+        BASE + "; async: verl restores TransferQueue before AMIR restores lambda (AMIR's override calls super first)",
+    ("trainer/ppo/v1/trainer_base.py", "PPOTrainer._reissue_inflight_prompts", 'if self.trainer_mode == "sync":'): BASE,
+    ("trainer/ppo/v1/trainer_base.py", "PPOTrainer._save_checkpoint", 'if self.trainer_mode != "sync":'):
+        BASE + "; amir_state.json is written before super(), whose tracker file comes last",
+    ("trainer/ppo/v1/trainer_base.py", "PPOTrainer._submit_batch_to_rollout", 'if self.trainer_mode != "sync":'): BASE,
     ("trainer/ppo/v1/trainer_colocate_async.py", "PPOTrainerColocateAsync.on_train_begin",
-     "self._add_async_warmup_batches(self.config.trainer.v1.colocate_async.num_warmup_batches)"):
-        "another trainer class: never runs under AMIR",
+     "self._add_async_warmup_batches(self.config.trainer.v1.colocate_async.num_warmup_batches)"): INHERITED,
     ("trainer/ppo/v1/trainer_separate_async.py", "PPOTrainerSeparateAsync.__init__",
      "parameter_sync_step = config.trainer.v1.separate_async.parameter_sync_step"):
-        "another trainer class: never runs under AMIR",
+        INHERITED + "; the same section as PPOTrainer.__init__'s read, as the trainer reports separate_async",
     ("trainer/ppo/v1/trainer_separate_async.py", "PPOTrainerSeparateAsync.__init__",
-     "self.config.trainer.v1.separate_async.hybrid_rollout"): "another trainer class: never runs under AMIR",
+     "self.config.trainer.v1.separate_async.hybrid_rollout"): INHERITED,
     ("trainer/ppo/v1/trainer_separate_async.py", "PPOTrainerSeparateAsync.on_train_begin",
-     "self._add_async_warmup_batches(self.config.trainer.v1.separate_async.num_warmup_batches)"):
-        "another trainer class: never runs under AMIR",
+     "self._add_async_warmup_batches(self.config.trainer.v1.separate_async.num_warmup_batches)"): INHERITED,
     ("utils/skip/rollout_skip.py", "RolloutTqSkip.__init__",
      'f"trainer.v1.{global_config.trainer.v1.trainer_mode}.parameter_sync_step",'):
-        "reads trainer.v1.amir (the config's mode), default 1: validate_amir_run requires it to equal "
-        "trainer.v1.sync's (test_parameter_sync_step_reads_agree_or_the_run_is_refused)",
+        "reads trainer.v1.<AMIR name> (the config's mode), default 1: with skip.rollout_tq.enable, validate_amir_run "
+        "requires it to equal the base section's (test_parameter_sync_step_reads_agree_or_the_run_is_refused)",
 }
 
 
@@ -257,39 +260,70 @@ def test_every_trainer_mode_read_in_verl_is_accounted_for():
     assert not gone, f"these reads are no longer in verl (update the table): {gone}"
 
 
-def amir_run(overrides):
-    return compose_verl(GRPO + AMIR + ["actor_rollout_ref.actor.use_kl_loss=True",
-                                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"] + overrides)
+def amir_run(overrides, mode="amir"):
+    return compose_verl(GRPO + [AMIR[0], f"trainer.v1.trainer_mode={mode}", "actor_rollout_ref.actor.use_kl_loss=True",
+                                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"] + overrides)
 
 
-def test_amir_trainer_runs_on_the_sync_sections():
-    from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
-
-    config = amir_run(["+trainer.v1.sync.parameter_sync_step=2", "+trainer.v1.amir.parameter_sync_step=2"])
-    assert get_trainer_cls(config.trainer.v1.trainer_mode) is AmirPPOTrainer
-    trainer = AmirPPOTrainer(config)  # verl's PPOTrainer.__init__ with the config's "amir"
-    assert trainer.trainer_mode == "sync"
-    assert trainer.parameter_sync_step == 2
-    assert type(trainer.replay_buffer) is ReplayBuffer
-    assert trainer.replay_buffer.trainer_config == config.trainer.v1.sync
-    assert RolloutTqSkip(config.skip.rollout_tq, config).parameter_sync_step == 2
-    with pytest.raises(ValueError, match="trainer mode 'amir'"):
-        trainer.trainer_mode = "sync"
+# what verl's PPOTrainerSeparateAsync.__init__ asserts: train_batch_size = parameter_sync_step * mini-batch,
+# a standalone rollout pool, a checkpoint engine other than naive
+SEPARATE = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"]
+MODES = {  # AMIR mode -> (its verl base class, overrides it needs, parameter_sync_step set in the base section)
+    "amir": ("PPOTrainerSync", [], 2),
+    "amir_colocate_async": ("PPOTrainerColocateAsync", [], 2),
+    "amir_separate_async": ("PPOTrainerSeparateAsync", SEPARATE, 2),  # 8 = 2 x 4
+}
 
 
-@pytest.mark.parametrize("overrides, trainer_reads, skip_reads", [
-    ([], 1, 1),
-    (["+trainer.v1.sync.parameter_sync_step=2"], 2, 1),
-    (["+trainer.v1.amir.parameter_sync_step=3"], 1, 3),
+@pytest.mark.parametrize("mode", list(MODES))
+def test_each_amir_trainer_runs_on_its_base_modes_sections(mode):
+    import verl.trainer.ppo.v1 as v1
+
+    base_name, overrides, steps = MODES[mode]
+    base = AMIR_TRAINER_MODES[mode]
+    config = amir_run(overrides + [f"++trainer.v1.{base}.parameter_sync_step={steps}"], mode)
+    cls = v1.get_trainer_cls(mode)
+    assert cls.__mro__[1:3] == (AmirTrainerMixin, getattr(v1, base_name))
+    assert v1.get_trainer_cls(base) is getattr(v1, base_name)  # verl's own mode name, its own class
+    trainer = cls(config)  # verl's PPOTrainer.__init__ with the config's AMIR name
+    assert trainer.trainer_mode == base
+    assert trainer.parameter_sync_step == steps
+    assert type(trainer.replay_buffer) is (ReplayBuffer if base == "sync" else ReplayBufferAsync)
+    assert trainer.replay_buffer.trainer_config == config.trainer.v1[base]
+    with pytest.raises(ValueError, match=f"trainer mode '{mode}'"):
+        trainer.trainer_mode = base
+
+
+def test_the_mode_table_names_every_amir_trainer():
+    import verl.trainer.ppo.v1 as v1
+
+    registered = {name: cls for name, cls in v1.trainer_base.TRAINER_REGISTRY.items()
+                  if isinstance(cls, type) and issubclass(cls, AmirTrainerMixin)}
+    assert {name: cls.BASE_MODE for name, cls in registered.items()} == AMIR_TRAINER_MODES
+    assert all(cls.AMIR_MODE == name for name, cls in registered.items())
+
+
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("mode, overrides, trainer_reads, skip_reads", [
+    ("amir", [], 1, 1),
+    ("amir", ["+trainer.v1.sync.parameter_sync_step=2"], 2, 1),
+    ("amir", ["+trainer.v1.amir.parameter_sync_step=3"], 1, 3),
+    ("amir_colocate_async", [], 1, 1),
+    ("amir_colocate_async", ["+trainer.v1.colocate_async.parameter_sync_step=2"], 2, 1),
+    ("amir_separate_async", [], 4, 1),  # verl's default separate_async section: 4 local updates
+    ("amir_separate_async", ["+trainer.v1.amir_separate_async.parameter_sync_step=4"], 4, 4),
 ])
-def test_parameter_sync_step_reads_agree_or_the_run_is_refused(overrides, trainer_reads, skip_reads):
-    config = amir_run(overrides)
-    assert config.trainer.v1.get("sync", {}).get("parameter_sync_step", 1) == trainer_reads  # PPOTrainer's read
+def test_parameter_sync_step_reads_agree_or_the_run_is_refused(mode, overrides, trainer_reads, skip_reads, skip):
+    config = amir_run(overrides + (["skip.rollout_tq.enable=True"] if skip else []), mode)
+    base = AMIR_TRAINER_MODES[mode]
+    assert config.trainer.v1.get(base, {}).get("parameter_sync_step", 1) == trainer_reads  # PPOTrainer's read
     assert RolloutTqSkip(config.skip.rollout_tq, config).parameter_sync_step == skip_reads
-    if trainer_reads == skip_reads:
+    if trainer_reads == skip_reads or not skip:  # the skip is the only reader of the AMIR section
         validate_amir_run(config)
     else:
-        with pytest.raises(ValueError, match=r"trainer\.v1\.sync\.parameter_sync_step.*trainer\.v1\.amir\."):
+        with pytest.raises(ValueError, match=rf"trainer\.v1\.{base}\.parameter_sync_step.*trainer\.v1\.{mode}\."):
             validate_amir_run(config)
 
 

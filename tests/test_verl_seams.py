@@ -13,6 +13,8 @@ import verl
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 from verl.trainer.ppo.utils import need_reference_policy
 from verl.trainer.ppo.v1 import trainer_base
+from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
+from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.dataset import rl_dataset
 from verl.workers import engine_workers
@@ -45,6 +47,17 @@ SEAMS = {
         "wrapped by amir_verl.prompt_filter: takes and returns the datasets.Dataset, reads filter_overlong_prompts "
         "and max_prompt_length"),
     "PPOTrainerSync": (PPOTrainerSync, "beb30ff5187a75b9", "base class of AmirPPOTrainer"),
+    "PPOTrainerColocateAsync": (PPOTrainerColocateAsync, "678d665bb28cbed4",
+                                "base class of AmirColocateAsyncTrainer: on_init_end updates weights (AMIR calls "
+                                "it first), overrides none of _step_once / _compute_advantage"),
+    "PPOTrainerSeparateAsync": (PPOTrainerSeparateAsync, "e98a0390f091ec6b",
+                                "base class of AmirSeparateAsyncTrainer: its _compute_old_log_prob restores pi_old "
+                                "for local updates j >= 1 (the anchored surrogate the README documents)"),
+    "PPOTrainer.step": (trainer_base.PPOTrainer.step, "e22f53aadb7805d2",
+                        "parameter_sync_step local updates, each its own _step_once (pairs, lambda); the step's "
+                        "metrics averaged by MetricsAggregator; one combined batch returned"),
+    "PPOTrainer.fit": (trainer_base.PPOTrainer.fit, "7d83a81c2e62979f",
+                       "_log_rollout_data once per step on the combined batch, after every local update"),
     "ppo_loss": (losses.ppo_loss, "d7c0f8772b444f55",
                  "wrapped by amir_ppo_loss: dp_size / batch_num_tokens normalisation, metric names"),
     "no_padding_2_padding": (no_padding_2_padding, "0868d5c4731b66ac", "response log-prob layout in the loss"),
@@ -69,8 +82,8 @@ def test_upstream_source_unchanged(name):
     assert fingerprint_of(obj) == fingerprint, f"verl changed {name} ({why}); re-check amir_verl against it"
 
 
-def test_trainer_mode_comparisons_are_the_ones_amir_reports_sync_for():
-    """AmirPPOTrainer reports trainer_mode "sync"; these are the places verl compares it."""
+def test_trainer_mode_comparisons_are_the_ones_amir_reports_its_base_mode_for():
+    """An AMIR trainer reports its base mode as trainer_mode; these are the places verl compares it."""
     src = inspect.getsource(trainer_base.PPOTrainer)
     methods = sorted(
         name
@@ -85,11 +98,14 @@ def test_trainer_mode_comparisons_are_the_ones_amir_reports_sync_for():
 def test_plugin_registered_through_the_entry_point():
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
 
-    from amir_verl.trainer import AmirPPOTrainer
+    from amir_verl.trainer import AmirColocateAsyncTrainer, AmirPPOTrainer, AmirSeparateAsyncTrainer, AmirTrainerMixin
 
     assert {"amir_grpo", "amir_gspo"} <= set(POLICY_LOSS_REGISTRY)
-    assert TRAINER_REGISTRY["amir"] is AmirPPOTrainer
-    assert AmirPPOTrainer.__mro__[1] is PPOTrainerSync
+    for name, cls, base in (("amir", AmirPPOTrainer, PPOTrainerSync),
+                            ("amir_colocate_async", AmirColocateAsyncTrainer, PPOTrainerColocateAsync),
+                            ("amir_separate_async", AmirSeparateAsyncTrainer, PPOTrainerSeparateAsync)):
+        assert TRAINER_REGISTRY[name] is cls
+        assert cls.__mro__[1:3] == (AmirTrainerMixin, base)  # the mixin first: its trainer_mode property wins
 
 
 def test_amir_loss_mode_without_the_amir_trainer_fails_loudly():
@@ -110,11 +126,12 @@ REGISTRY_CHECKS = (
     "print(sorted(m for m in POLICY_LOSS_REGISTRY if m.startswith('amir')))\n"
     "print(get_policy_loss_fn('amir').__name__)\n"
     "from verl.trainer.ppo.v1 import get_trainer_cls\n"
-    "print(get_trainer_cls('amir').__qualname__)\n"
+    "print(*(get_trainer_cls(m).__qualname__ for m in ('amir', 'amir_colocate_async', 'amir_separate_async')))\n"
     "from verl.experimental.reward_loop.reward_manager import get_reward_manager_cls\n"
     "print(get_reward_manager_cls('amir_calibrated').__qualname__)\n"
 )
-REGISTERED = ["['amir', 'amir_grpo', 'amir_gspo']", "amir_registry_entry_amir", "AmirPPOTrainer",
+REGISTERED = ["['amir', 'amir_grpo', 'amir_gspo']", "amir_registry_entry_amir",
+              "AmirPPOTrainer AmirColocateAsyncTrainer AmirSeparateAsyncTrainer",
               "AmirCalibratedRewardManager"]
 
 
