@@ -115,6 +115,12 @@ def make_step_batch(
         uids.append(pad_uid)
         keys.append(f"{pad_uid}_{s}_0")
         pad.append(True)
+    return complete_step_batch(model, ref_model, prompts, responses, rewards, uids, keys, pad)
+
+
+def complete_step_batch(model, ref_model, prompts, responses, rewards, uids, keys, pad) -> StepBatch:
+    """The :class:`StepBatch` of these samples: old log-probs from ``model`` (the weights the update starts
+    from), reference log-probs from ``ref_model``, GRPO advantages from verl's estimator."""
     with torch.no_grad():
         old = [response_log_probs(model, p, r) for p, r in zip(prompts, responses)]
         ref = [response_log_probs(ref_model, p, r) for p, r in zip(prompts, responses)]
@@ -132,6 +138,56 @@ def make_step_batch(
     adv, _ = compute_grpo_outcome_advantage(scores, mask, np.array(uids, dtype=object))
     batch.advantages = [adv[i, : len(responses[i])].to(torch.float64) for i in range(len(uids))]
     return batch
+
+
+@torch.no_grad()
+def sample_response(versions, prompt: torch.Tensor, segments: list[tuple[int, int]], generator: torch.Generator):
+    """A response sampled token by token, segment ``(v, n)`` drawing ``n`` tokens from ``versions[v]`` given
+    everything so far: a partial rollout resumed under other weights, as verl's async client makes one.
+
+    Returns (response (T,), rollout log-probs (T,), each token's log-prob under the version that drew it,
+    version index per token (T,)).
+    """
+    ids, logps, tags = prompt.clone(), [], []
+    for version, length in segments:
+        for _ in range(length):
+            logits = versions[version](input_ids=ids.unsqueeze(0)).logits[0, -1].double()
+            probs = torch.softmax(logits, dim=-1)
+            token = torch.multinomial(probs, 1, generator=generator)
+            logps.append(torch.log(probs[token]))
+            tags.append(version)
+            ids = torch.cat([ids, token])
+    return ids[len(prompt):], torch.cat(logps), torch.tensor(tags)
+
+
+def make_off_policy_step_batch(model, ref_model, versions, group_sizes, *, seed=0,
+                               reward_values=(0.0, 0.25, 1.0, 1.1, 1.35)):
+    """Groups whose responses were sampled by other policies than ``model``, as an async step batch holds:
+    sample s of group g is drawn from ``versions[(g + s) % V]``, and every third is a partial rollout whose
+    prefix comes from one version and whose suffix from the next.
+
+    Returns the :class:`StepBatch` (its old log-probs are ``model``'s, as verl recomputes them), the rollout
+    log-probs of each sample (per token, under the version that drew it), and each sample's version per token.
+    """
+    rng, generator = random.Random(seed), torch.Generator().manual_seed(seed)
+    prompts, responses, rewards, uids, keys, rollout, tags = [], [], [], [], [], [], []
+    for g, size in enumerate(group_sizes):
+        uid = f"u{g:03d}x{rng.randrange(10**6)}"
+        prompt = torch.tensor([rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 5))])
+        for s in range(size):
+            first, length = (g + s) % len(versions), rng.randint(2, 9)
+            split = [(first, length // 2), ((first + 1) % len(versions), length - length // 2)]
+            response, logp, tag = sample_response(versions, prompt, split if s % 3 == 2 else [(first, length)],
+                                                  generator)
+            prompts.append(prompt)
+            responses.append(response)
+            rollout.append(logp)
+            tags.append(tag)
+            rewards.append(rng.choice(reward_values))
+            uids.append(uid)
+            keys.append(f"{uid}_{s}_0")
+    batch = complete_step_batch(model, ref_model, prompts, responses, rewards, uids, keys, [False] * len(uids))
+    return batch, rollout, tags
 
 
 def padded(rows: list[torch.Tensor], width: int | None = None) -> torch.Tensor:
@@ -263,15 +319,23 @@ def run_actor_update(model, batch: StepBatch, loss_fn, layout: Layout, extra: di
     return outputs
 
 
-def brute_force_pref_objective(model, ref_model_logps, batch: StepBatch, amir: AmirConfig) -> torch.Tensor:
-    """J_pref by the definition: python loops over groups and ordered pairs, l_theta with the graph."""
-    l_theta, l_ref = {}, {}
+def brute_force_pref_objective(model, ref_model_logps, batch: StepBatch, amir: AmirConfig,
+                               frozen_partner_log_probs: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """J_pref by the definition: python loops over groups and ordered pairs, l_theta with the graph.
+
+    With ``frozen_partner_log_probs`` (per sample, response length), the anchored surrogate instead: each pair
+    adds one term with its preferred member live and its rejected one frozen at those log-probs, and one the
+    other way round, so that its gradient is each member's pull against its partner's frozen score.
+    """
+    l_theta, l_frozen, l_ref = {}, {}, {}
     for i in range(len(batch)):
         m = batch.response_mask(i)
         if m.sum() == 0:
             continue
         lp = response_log_probs(model, batch.prompts[i], batch.responses[i])
         l_theta[i] = lp.sum() / len(lp)
+        if frozen_partner_log_probs is not None:
+            l_frozen[i] = float(frozen_partner_log_probs[i].sum() / len(lp))
         l_ref[i] = 0.0 if amir.reference_free else float(ref_model_logps[i].sum() / len(lp))
     terms = []
     for i in l_theta:
@@ -279,11 +343,16 @@ def brute_force_pref_objective(model, ref_model_logps, batch: StepBatch, amir: A
             if i == j or batch.uids[i] != batch.uids[j] or batch.is_padding[i] or batch.is_padding[j]:
                 continue
             if float(batch.rewards[i]) - float(batch.rewards[j]) > amir.delta_r:
-                z = amir.beta_dpo * ((l_theta[i] - l_ref[i]) - (l_theta[j] - l_ref[j]))
-                terms.append(torch.nn.functional.logsigmoid(z))
+                if frozen_partner_log_probs is None:
+                    margins = [(l_theta[i] - l_ref[i]) - (l_theta[j] - l_ref[j])]
+                else:
+                    margins = [(l_theta[i] - l_ref[i]) - (l_frozen[j] - l_ref[j]),
+                               (l_frozen[i] - l_ref[i]) - (l_theta[j] - l_ref[j])]
+                terms.extend(torch.nn.functional.logsigmoid(amir.beta_dpo * z) for z in margins)
     if not terms:
         return torch.zeros((), dtype=torch.float64)
-    return torch.stack(terms).mean()
+    pairs = len(terms) if frozen_partner_log_probs is None else len(terms) // 2
+    return torch.stack(terms).sum() / pairs
 
 
 def extra_info_for(fields, lambda_reg: float, mini_batches: int = 1) -> dict:

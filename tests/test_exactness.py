@@ -119,6 +119,37 @@ def assert_grads_close(actual, expected):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-7)
 
 
+def test_a_separate_async_later_local_update_is_the_anchored_surrogate_not_the_exact_gradient(models):
+    """verl's separate_async local update j >= 1 restores pi_old = theta_0 to compute old_log_probs, so the
+    driver freezes every partner at theta_0 while the actor trains theta_j. The update is then the gradient
+    of the anchored surrogate (each pair member live against its partner at theta_0) plus verl's base loss at
+    ratio theta_j / theta_0, and NOT the exact gradient of lambda * (-J_pref(theta_j)): the README documents
+    it as such, and this test states the difference instead of hiding it."""
+    import copy
+
+    model0, _ = models
+    batch = make_batch(models)  # old log-probs at theta_0
+    amir = AmirConfig(delta_r=0.5, beta_dpo=0.5)
+    fields = amir_step_fields(batch, amir)
+    model1 = copy.deepcopy(model0)  # theta_1: the weights after local update 0
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(9)
+        for p in model1.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+    config = base_config("vanilla")
+    actual, _ = amir_update(model1, batch, amir, config, Layout(dp=2, micro_batch_size=4, seed=2), fields)
+
+    model1.zero_grad()
+    anchored = brute_force_pref_objective(model1, batch.ref_log_probs, batch, amir,
+                                          frozen_partner_log_probs=batch.old_log_probs)
+    (whole_batch_base_loss(model1, batch, config) + LAMBDA * (-anchored)).backward()
+    assert_grads_close(actual, grads(model1))
+
+    exact, _, _ = brute_force_gradient(model1, batch, amir, config, LAMBDA)
+    gap = torch.cat([(a - e).flatten() for a, e in zip(actual, exact)]).norm()
+    assert float(gap / torch.cat([e.flatten() for e in exact]).norm()) > 1e-2
+
+
 @pytest.mark.parametrize("base", [("vanilla", "token-mean"), ("gspo", "seq-mean-token-mean")], ids=["grpo", "gspo"])
 @pytest.mark.parametrize("reference", ["ref", "ref_free"])
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -17,22 +17,35 @@ from tensordict import TensorDict
 from transfer_queue import KVBatchMeta
 
 from amir_verl.actor_loss import amir_ppo_loss
-from amir_verl.step_batch import EXTRA_LAMBDA, EXTRA_NUM_MINI_BATCHES, EXTRA_NUM_PAIRS, FIELD_PARTNER_SCORE
+from amir_verl.step_batch import (
+    EXTRA_LAMBDA,
+    EXTRA_NUM_MINI_BATCHES,
+    EXTRA_NUM_PAIRS,
+    FIELD_PARTNER_SCORE,
+    FIELD_PARTNER_SIGN,
+    FIELD_REF_SEQ_LOGP,
+)
 from amir_verl.trainer import AmirPPOTrainer, run_base_actor_config
 from tests.test_config import GRPO, compose_verl
 from tests.test_exactness import brute_force_gradient
 from amir_verl.testing import (
     Layout,
     actor_config,
+    actor_tensordict,
+    assign_engine_batch_info,
+    brute_force_pref_objective,
     grads,
+    make_off_policy_step_batch,
     make_step_batch,
     nested,
     padded,
     response_log_probs,
     run_actor_update,
     tiny_model,
+    token_log_probs,
 )
 from verl.utils import tensordict_utils as tu
+from verl.workers.utils.losses import ppo_loss
 
 LAMBDA = 0.5
 
@@ -166,6 +179,86 @@ def test_lambda_measurement_applies_verls_importance_weights(transfer_queue):
     assert without_weights != pytest.approx(with_weights, rel=1e-2)
     assert metrics["amir/grad_share"] == pytest.approx(
         metrics["amir/pref_grad_norm"] / (with_weights + metrics["amir/pref_grad_norm"]), rel=1e-5)
+
+
+# ---------------------------------------------------------------- off-policy step batches (async schedules)
+
+
+@pytest.fixture(scope="module")
+def off_policy():
+    """The current weights, the reference, and a step batch sampled by two other versions (some responses
+    spliced from both), as verl's async trainers hand ``_compute_advantage`` one."""
+    model, ref_model, versions = tiny_model(seed=0), tiny_model(seed=1), [tiny_model(seed=3), tiny_model(seed=4)]
+    batch, rollout, tags = make_off_policy_step_batch(model, ref_model, versions, [6, 5, 4, 4, 5], seed=21)
+    return model, batch, rollout, tags
+
+
+def brute_force_weighted_gradient(model, batch, weights, amir, config, lambda_reg):
+    """Autograd of verl's ppo_loss (base mode, whole batch, with the IS weights) + lambda * (-J_pref)."""
+    order = list(range(len(batch)))
+    td = actor_tensordict(batch, order)
+    td["rollout_is_weights"] = nested(weights)
+    assign_engine_batch_info([td], global_batch_size=len(batch))
+    model.zero_grad()
+    log_probs = nested([token_log_probs(model, x) for x in td["input_ids"].unbind()])
+    base_loss, _ = ppo_loss(config, {"log_probs": log_probs}, td)
+    j_pref = brute_force_pref_objective(model, batch.ref_log_probs, batch, amir)
+    (base_loss + lambda_reg * (-j_pref)).backward()
+    return grads(model), float(j_pref)
+
+
+OFF_POLICY_LAYOUTS = [
+    pytest.param(Layout(dp=1, micro_batch_size=24), id="dp1-one-micro-batch"),
+    pytest.param(Layout(dp=2, micro_batch_size=3, seed=4), id="dp2-micro3"),
+    pytest.param(Layout(dp=3, max_token_len=30, seed=7), id="dp3-dynamic-bsz"),
+]
+
+
+@pytest.mark.parametrize("layout", OFF_POLICY_LAYOUTS)
+def test_an_off_policy_batch_gives_the_exact_gradient_at_the_current_weights(transfer_queue, off_policy, layout):
+    """Responses from two other policies, some spliced from both (partial rollouts across a weight sync),
+    old_log_probs recomputed at the current weights as verl's async trainers do: the update through
+    _compute_advantage and amir_ppo_loss is the gradient of pg_IS + lambda * (-J_pref) at those weights."""
+    model, batch, rollout, tags = off_policy
+    assert any(int(t.min()) != int(t.max()) for t in tags) and len({int(t[0]) for t in tags}) == 2
+    partition = f"off_policy_{layout.dp}_{layout.seed}"
+    meta = put_step_batch(batch, partition=partition, rollout_log_probs=rollout)
+    trainer = make_trainer(["algorithm.rollout_correction.rollout_is=token", "+amir.beta_dpo=0.5"])
+    metrics = {}
+    meta = trainer._compute_advantage(meta, metrics)
+    assert metrics["amir/num_pairs"] > 0
+
+    weights = [(old - r).exp().clamp(max=2.0) for old, r in zip(batch.old_log_probs, rollout)]  # verl's "token" TIS
+    assert max(float((w - 1).abs().max()) for w in weights) > 0.3
+    expected, j_pref = brute_force_weighted_gradient(model, batch, weights, trainer.amir, actor_config("vanilla"),
+                                                     LAMBDA)
+    assert metrics["amir/pref_loss"] == pytest.approx(-j_pref, rel=1e-6)
+    actor_batch = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=meta.fields)
+    model.zero_grad()
+    run_actor_update(model, batch, partial(amir_ppo_loss, config=actor_config("vanilla"), beta_dpo=0.5),
+                     layout, dict(meta.extra_info), from_store=actor_batch)
+    for a, e in zip(grads(model), expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
+
+
+def test_which_policy_generated_a_batch_changes_only_the_policy_gradients_weights(transfer_queue, off_policy):
+    """The same tokens, once with the other versions' rollout log-probs and once as if the current weights
+    had sampled them: the pairs, the preference loss and every AMIR field agree; only pg_grad_norm moves."""
+    model, batch, rollout, _ = off_policy
+    runs = {}
+    for name, rollout_log_probs in (("off", rollout), ("on", batch.old_log_probs)):
+        meta = put_step_batch(batch, partition=f"generator_{name}", rollout_log_probs=rollout_log_probs)
+        metrics = {}
+        meta = make_trainer(["algorithm.rollout_correction.rollout_is=token"])._compute_advantage(meta, metrics)
+        fields = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
+                                 select_fields=[FIELD_PARTNER_SCORE, FIELD_PARTNER_SIGN, FIELD_REF_SEQ_LOGP])
+        runs[name] = metrics, {k: v.to_padded_tensor(0.0) if v.is_nested else v for k, v in fields.items()}
+    (off, off_fields), (on, on_fields) = runs["off"], runs["on"]
+    for key in ("amir/num_pairs", "amir/pref_loss", "amir/pref_grad_norm"):
+        assert off[key] == on[key], key
+    for key in off_fields.keys():
+        assert torch.equal(off_fields[key], on_fields[key]), key
+    assert off["amir/pg_grad_norm"] != pytest.approx(on["amir/pg_grad_norm"], rel=1e-3)
 
 
 def test_no_reference_in_store_fails_clearly(transfer_queue):
