@@ -192,8 +192,8 @@ def test_concurrent_requests_are_batched_and_answer_as_one_at_a_time(server, mon
     srv.set_global_steps(8)
     one_at_a_time = [generate(srv, p, **s) for p, s in REQUESTS]
     batch_sizes = []
-    sample_batch = srv.sample_batch
-    monkeypatch.setattr(srv, "sample_batch", lambda requests: batch_sizes.append(len(requests)) or sample_batch(requests))
+    decode = srv.decode
+    monkeypatch.setattr(srv, "decode", lambda requests: batch_sizes.append(len(requests)) or decode(requests))
 
     async def concurrently():
         return await asyncio.gather(*[srv.generate(p, {**params, **s}, f"r{i}") for i, (p, s) in enumerate(REQUESTS)])
@@ -208,7 +208,7 @@ def test_concurrent_requests_are_batched_and_answer_as_one_at_a_time(server, mon
 
 def test_a_failing_batch_fails_its_requests_instead_of_hanging(server, monkeypatch):
     srv, _ = server
-    monkeypatch.setattr(srv, "sample_batch", lambda requests: 1 / 0)
+    monkeypatch.setattr(srv, "decode", lambda requests: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         generate(srv, [5, 6])
 
@@ -236,6 +236,179 @@ def test_server_weight_sync(server):
     srv.update_weights(before)
     with pytest.raises(RuntimeError, match="unexpected"):
         srv.update_weights({"not.a.weight": torch.zeros(1)})
+
+
+# ---------------------------------------------------------------- the async trainers' calls (abort, gate, resume)
+
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+
+
+def log_probs_under(srv, state, prompt, tokens):
+    """(len(tokens),) brute force: a fresh copy of the served model with ``state`` loaded."""
+    import copy
+
+    model = copy.deepcopy(srv.model)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+@pytest.fixture
+def slow_server(server, monkeypatch):
+    """The server decoding one token per 20 ms, so that a call lands inside a response; its weights are
+    restored afterwards."""
+    srv, _ = server
+    monkeypatch.setattr(srv, "token_delay_s", 0.02)
+    weights = {k: v.clone() for k, v in srv.model.state_dict().items()}
+    yield srv
+    srv.update_weights(weights)
+    srv.set_global_steps(0)
+
+
+async def wait_until(condition, timeout=30.0):
+    for _ in range(int(timeout / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise TimeoutError
+
+
+def test_an_abort_cuts_decoding_between_tokens_and_the_gate_parks_new_requests(slow_server):
+    srv = slow_server
+    srv.set_global_steps(3)
+    prompt = [5, 12, 6, 13, 14]
+
+    async def scenario():
+        running = [asyncio.ensure_future(srv.generate(prompt, {**SAMPLING, "max_tokens": 60}, f"r{i}"))
+                   for i in range(3)]
+        await wait_until(lambda: srv._server_task is not None and srv._pending == [])  # the batch is decoding
+        await asyncio.sleep(0.15)
+        result = await srv.abort_all_requests()
+        assert all(task.done() for task in running)  # the abort returns once the decode has stopped
+        parked = asyncio.ensure_future(srv.generate(prompt, SAMPLING, "late"))
+        await asyncio.sleep(0.2)
+        assert not parked.done()  # behind the closed gate
+        await srv.resume_generation()
+        return [task.result() for task in running], await asyncio.wait_for(parked, 30), result
+
+    outputs, late, result = asyncio.run(scenario())
+    for out in outputs:
+        assert out.stop_reason == "aborted" and 0 < len(out.token_ids) < 60, (out.stop_reason, len(out.token_ids))
+        assert len(out.log_probs) == len(out.token_ids) and out.extra_fields["global_steps"] == 3
+        torch.testing.assert_close(torch.tensor(out.log_probs, dtype=torch.float64),
+                                   log_probs_under(srv, srv.model.state_dict(), prompt, out.token_ids),
+                                   rtol=1e-4, atol=1e-5)
+    assert late.stop_reason == "completed" and late.token_ids
+    assert result["aborted_count"] == 0  # nothing was queued: all three were cut mid-response
+
+
+def test_queued_requests_abort_empty_and_a_rejecting_gate_answers_at_once(slow_server):
+    srv = slow_server
+
+    async def scenario():
+        queued = asyncio.ensure_future(srv.generate([5, 6], SAMPLING, "queued"))
+        await asyncio.sleep(0)  # queued, its batch window not yet over
+        first = await srv.abort_all_requests(reject_request=True)
+        rejected = await asyncio.wait_for(srv.generate([5, 6], SAMPLING, "rejected"), 1)
+        await srv.abort_all_requests()  # a plain abort restores parking (as vLLM's gate)
+        parked = asyncio.ensure_future(srv.generate([5, 6], SAMPLING, "parked"))
+        await asyncio.sleep(0.1)
+        assert not parked.done()
+        await srv.resume_generation()
+        return await queued, first, rejected, await asyncio.wait_for(parked, 30)
+
+    queued, first, rejected, parked = asyncio.run(scenario())
+    assert (queued.stop_reason, queued.token_ids, first["aborted_count"]) == ("aborted", [], 1)
+    assert (rejected.stop_reason, rejected.token_ids) == ("aborted", [])
+    assert parked.stop_reason == "completed"
+
+
+class _Remote:
+    """A method called the way a Ray actor handle's is (``handle.method.remote(...)``), in process."""
+
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class _InProcessHandle:
+    def __init__(self, target, record=None):
+        self._target, self._record = target, record
+
+    def __getattr__(self, name):
+        method = getattr(self._target, name)
+
+        async def call(*args, **kwargs):
+            result = method(*args, **kwargs)
+            result = await result if asyncio.iscoroutine(result) else result
+            if self._record is not None:
+                self._record.append(result)
+            return result
+
+        return _Remote(call)
+
+
+class _OneServerBalancer:
+    """verl's GlobalRequestLoadBalancer interface with one server."""
+
+    def __init__(self, handle):
+        self.require_acquire_fields = _Remote(self._none)
+        self.require_release_fields = _Remote(self._none)
+        self.acquire_server = _Remote(self._acquire)
+        self.release_server = _Remote(lambda **kwargs: None)
+        self._handle = handle
+
+    async def _none(self):
+        return []
+
+    async def _acquire(self, request_id, **kwargs):
+        return "hf-0", self._handle
+
+
+def test_verls_fully_async_client_resumes_an_aborted_response_under_the_new_weights(slow_server):
+    """colocate_async's cycle against verl's real FullyAsyncLLMServerClient: abort mid-response (on_sample_end),
+    new weights and version (on_step_end's update_weights), resume_generation. The client resends prompt +
+    partial response; its answer spans both versions, and each segment's log-probs are those of the weights
+    that drew it."""
+    from omegaconf import OmegaConf
+
+    from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
+
+    srv = slow_server
+    srv.set_global_steps(0)
+    old_state = {k: v.clone() for k, v in srv.model.state_dict().items()}
+    generator = torch.Generator().manual_seed(0)
+    new_state = {k: v + 0.2 * torch.randn(v.shape, generator=generator) for k, v in old_state.items()}
+    served = []
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "hf", "response_length": 40,
+                                                                 "full_determinism": False}}})
+    client = FullyAsyncLLMServerClient(config, load_balancer_handle=_OneServerBalancer(_InProcessHandle(srv, served)))
+    prompt = [5, 12, 6, 13, 14]
+
+    async def scenario():
+        answer = asyncio.ensure_future(client.generate("q", prompt_ids=prompt, sampling_params=dict(SAMPLING)))
+        await wait_until(lambda: srv._server_task is not None and srv._pending == [])
+        await asyncio.sleep(0.15)
+        await srv.abort_all_requests()
+        srv.update_weights(new_state)
+        srv.set_global_steps(1)
+        await srv.resume_generation()
+        return await asyncio.wait_for(answer, 60)
+
+    out = asyncio.run(scenario())
+    first, second = served
+    assert (first.stop_reason, first.extra_fields["global_steps"]) == ("aborted", 0) and first.token_ids
+    assert second.extra_fields["global_steps"] == 1
+    assert out.token_ids == first.token_ids + second.token_ids and len(out.log_probs) == len(out.token_ids)
+    assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]) == (0, 1)
+    cut = len(first.token_ids)
+    for state, part, tokens, context in ((old_state, out.log_probs[:cut], first.token_ids, prompt),
+                                         (new_state, out.log_probs[cut:], second.token_ids, prompt + first.token_ids)):
+        torch.testing.assert_close(torch.tensor(part, dtype=torch.float64),
+                                   log_probs_under(srv, state, context, tokens), rtol=1e-4, atol=1e-5)
+    # the old weights would not have given the resumed segment's log-probs
+    assert not torch.allclose(torch.tensor(out.log_probs[cut:], dtype=torch.float64),
+                              log_probs_under(srv, old_state, prompt + first.token_ids, second.token_ids), atol=1e-3)
 
 
 def test_toy_reward():

@@ -18,6 +18,13 @@ batches of the requests that are waiting (one padded decode per batch, :meth:`HF
 with verl's sampling keys (temperature 0 = greedy, top_k -1 = off, logprobs), the
 response length limit vLLM applies, and the sampled tokens' log-probabilities (after temperature, as
 verl's actor computes them). For debugging on CPU only: it is slow and it does not shard.
+
+verl's asynchronous trainers (``colocate_async``, ``separate_async``) drive the server as they drive vLLM's:
+``abort_all_requests`` cuts every running decode between two tokens and answers each request with its
+tokens so far and ``stop_reason="aborted"`` (verl's ``FullyAsyncLLMServerClient`` then resends prompt + partial
+response under the new weights: a partial rollout); it closes a gate at which new requests park until
+``resume_generation`` (or, with ``reject_request=True``, are answered "aborted" at once, so the client
+re-routes). Each answer carries the weights version that produced its tokens (``global_steps``).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import asyncio
 import hashlib
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -40,6 +48,11 @@ logger = logging.getLogger(__name__)
 
 BATCH_WINDOW_S = 0.01  # how long the server waits for a batch to fill before its first forward pass
 MAX_BATCH = 256  # requests per batched decode
+# Seconds the decode loop pauses after each token (default 0: it only yields to the actor's other calls).
+# A test sets it so that a trainer's abort lands inside responses on a machine where decoding is fast.
+TOKEN_DELAY_ENV = "AMIR_VERL_HF_TOKEN_DELAY_S"
+
+Responses = list[tuple[list[int], list[float]]]
 
 
 def server_actor_name(replica_rank: int) -> str:
@@ -73,6 +86,14 @@ class HFRolloutServer:
         self._occurrences: dict[tuple, int] = {}
         self._pending: list[tuple[tuple[list[int], dict, torch.Generator], asyncio.Future]] = []
         self._server_task: asyncio.Task | None = None
+        self.token_delay_s = float(os.environ.get(TOKEN_DELAY_ENV, "0") or 0)
+        # The gate of verl's async trainers (vLLMHttpServer's submission gate): closed by abort_all_requests,
+        # opened by resume_generation; _aborting cuts the running decode at its next token.
+        self._gate_closed = False
+        self._rejecting = False
+        self._gate_open = asyncio.Event()
+        self._gate_open.set()
+        self._aborting = False
 
     def ready(self) -> bool:
         return True
@@ -125,16 +146,25 @@ class HFRolloutServer:
         token = int(torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator))
         return token, float(torch.log_softmax(scaled, -1)[token])
 
+    def sample_batch(self, requests: list[tuple[list[int], dict, torch.Generator]]) -> Responses:
+        """Sample every request of ``requests`` (prompt ids, sampling params, its own generator) to its end
+        in one batched decode (:meth:`decode`). Returns, per request, (response token ids, their log-probabilities)."""
+        for responses, _ in self.decode(requests):
+            pass
+        return responses
+
     @torch.no_grad()
-    def sample_batch(self, requests: list[tuple[list[int], dict, torch.Generator]]) -> list[tuple[list[int], list[float]]]:
-        """Sample every request of ``requests`` (prompt ids, sampling params, its own generator) in one
-        batched decode: the distinct prompts are prefilled once each (a group's n samples share one prompt),
+    def decode(self, requests: list[tuple[list[int], dict, torch.Generator]]) -> Iterator[tuple[Responses, list[bool]]]:
+        """The batched decode of ``requests`` (prompt ids, sampling params, its own generator), one token at a
+        time: the distinct prompts are prefilled once each (a group's n samples share one prompt),
         left-padded to ``[prompts, longest]`` with an attention mask and position ids counted from each
         prompt's first token; each request then decodes from a copy of its prompt's KV cache, one forward
         pass per new token. Each row draws from its own generator and finishes at <eos> or its own length
         limit, so its tokens are those it would get alone (log-probs equal up to float32 summation order).
 
-        Returns, per request, (response token ids, their log-probabilities)."""
+        Yields, after each new token of the rows still decoding, (per request (response token ids, their
+        log-probabilities) so far, per request whether it decodes on); the last yield has no row decoding.
+        Whoever stops iterating earlier holds each row's partial response."""
         n = len(requests)
         distinct: dict[tuple[int, ...], int] = {}
         rows = torch.tensor([distinct.setdefault(tuple(prompt), len(distinct)) for prompt, _, _ in requests])
@@ -170,8 +200,9 @@ class HFRolloutServer:
                 responses[row][1].append(log_prob)
                 next_tokens[row] = token
                 active[row] = token not in self.eos_token_ids and len(responses[row][0]) < limits[row]
+            yield responses, active
             if not any(active):
-                return responses
+                return
             attention_mask = torch.cat([attention_mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
             position_ids = position_ids + 1
             out = self.model(input_ids=torch.tensor(next_tokens)[:, None], attention_mask=attention_mask,
@@ -180,40 +211,83 @@ class HFRolloutServer:
             logits = out.logits[:, -1].float()
 
     async def _serve_pending(self) -> None:
-        """Answer the queued requests in batches; requests that arrive while a batch runs form the next."""
+        """Answer the queued requests in batches; requests that arrive while a batch runs form the next.
+
+        The decode yields to the actor's event loop after every token, so control calls run between two
+        tokens; an abort (:meth:`abort_all_requests`) stops it there and the batch's unfinished requests are
+        answered with their partial responses and "aborted"."""
         await asyncio.sleep(BATCH_WINDOW_S)  # the requests verl sends together arrive within milliseconds
-        while self._pending:
+        while self._pending and not self._aborting:
             batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
+            version = self.global_steps  # weights change only after an abort has drained this loop
             try:
-                results = self.sample_batch([request for request, _ in batch])
+                for responses, active in self.decode([request for request, _ in batch]):
+                    await asyncio.sleep(self.token_delay_s)
+                    if self._aborting:
+                        break
             except Exception as error:  # every waiting request gets the error, not a hang
                 for _, future in batch:
                     if not future.done():  # a request its caller cancelled meanwhile takes nothing
                         future.set_exception(error)
             else:
-                for (_, future), result in zip(batch, results):
+                for (_, future), (tokens, log_probs), running in zip(batch, responses, active):
                     if not future.done():
-                        future.set_result(result)
+                        future.set_result((tokens, log_probs, "aborted" if running else "completed", version))
             await asyncio.sleep(0)  # let the answered requests return and new ones queue
+
+    async def _admit(self) -> bool:
+        """Wait while the gate is closed (vLLMHttpServer._park_until_admitted); False: rejected at once."""
+        while self._gate_closed:
+            if self._rejecting:
+                return False
+            await self._gate_open.wait()
+        return True
 
     async def generate(self, prompt_ids, sampling_params: dict, request_id: str, image_data=None, video_data=None,
                        **kwargs) -> TokenOutput:
         if image_data or video_data or kwargs.get("audio_data"):
             raise NotImplementedError("the hf rollout backend is text-only")
+        want_log_probs = bool(sampling_params.get("logprobs"))
+        if not await self._admit():
+            return TokenOutput(token_ids=[], log_probs=[] if want_log_probs else None, stop_reason="aborted",
+                               num_preempted=0, extra_fields={"global_steps": self.global_steps})
         prompt_ids = list(prompt_ids)
         future = asyncio.get_running_loop().create_future()
         # the generator is drawn at arrival, so a request's seed does not depend on the batch it joins
         self._pending.append(((prompt_ids, dict(sampling_params), self._generator(prompt_ids)), future))
         if self._server_task is None or self._server_task.done():
             self._server_task = asyncio.ensure_future(self._serve_pending())
-        tokens, log_probs = await future
+        tokens, log_probs, stop_reason, version = await future
         return TokenOutput(
             token_ids=tokens,
-            log_probs=log_probs if sampling_params.get("logprobs") else None,
-            stop_reason="completed",
+            log_probs=log_probs if want_log_probs else None,
+            stop_reason=stop_reason,
             num_preempted=0,
-            extra_fields={"global_steps": self.global_steps},
+            extra_fields={"global_steps": version},
         )
+
+    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict[str, Any]:
+        """Close the gate, answer the queued requests "aborted" with no tokens, cut the running decode at its
+        next token (its unfinished requests answer their partial responses, "aborted"), and return once it
+        has stopped, so that weights may change. With ``reject_request`` requests arriving behind the closed
+        gate are answered "aborted" at once instead of parking (vLLMHttpServer.abort_all_requests)."""
+        if not self._gate_closed:  # a new event on this loop (an Event binds to the loop it is awaited on)
+            self._gate_open = asyncio.Event()
+        self._gate_closed, self._rejecting = True, reject_request
+        self._aborting = True
+        queued, self._pending = self._pending, []
+        for _, future in queued:
+            if not future.done():
+                future.set_result(([], [], "aborted", self.global_steps))
+        if self._server_task is not None and not self._server_task.done():
+            await asyncio.wait({self._server_task})
+        self._aborting = False
+        return {"aborted_count": len(queued), "request_ids": []}
+
+    async def resume_generation(self) -> None:
+        """Open the gate: parked requests are admitted (vLLMHttpServer.resume_generation)."""
+        self._gate_closed = self._rejecting = False
+        self._gate_open.set()
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], peft_config: dict | None = None) -> None:
         """Load the actor's full weights, HF names. With ``peft_config`` (verl's LoRA base sync) the model
@@ -256,8 +330,14 @@ class HFRolloutServer:
         self.global_steps = global_steps
         self._occurrences.clear()
 
-    # Memory management, profiling and partial rollout have nothing to do on the CPU.
+    # Memory management and profiling have nothing to do on the CPU.
     def wake_up(self, tags: list[str] | None = None) -> None:
+        return None
+
+    def release_kv_cache(self) -> None:
+        return None
+
+    def resume_kv_cache(self) -> None:
         return None
 
     def sleep(self) -> None:
@@ -294,14 +374,16 @@ class HFReplica(RolloutReplica):
 class HFServerAdapter(BaseRollout):
     """The actor-worker side of rollout ``hf``: forwards the trained weights to the replica's server."""
 
-    def __init__(self, config, model_config, device_mesh, *args, **kwargs):
+    def __init__(self, config, model_config, device_mesh, replica_rank: int = -1, **kwargs):
         super().__init__(config, model_config, device_mesh)
         world = self.config.tensor_model_parallel_size * self.config.data_parallel_size * (
             self.config.pipeline_model_parallel_size
         )
         rank = int(os.environ.get("RANK", 0))
-        self.replica_rank = rank // world
-        self.is_leader = rank % world == 0
+        # A hybrid actor worker derives its replica from its rank; verl's CheckpointEngineWorker of a
+        # standalone replica passes it (as vLLMServerAdapter takes it)
+        self.replica_rank = rank // world if replica_rank == -1 else replica_rank
+        self.is_leader_rank = rank % world == 0
         self._server = None
 
     def _server_handle(self):
@@ -326,7 +408,7 @@ class HFServerAdapter(BaseRollout):
             raise NotImplementedError(f"the hf rollout backend takes named tensors, not {wire_format!r}")
         # Every rank drains its generator (gathering a sharded tensor is collective); the leader ships.
         state = {name: tensor.detach().to("cpu", torch.float32).clone() for name, tensor in weights}
-        if not self.is_leader:
+        if not self.is_leader_rank:
             return
         server = self._server_handle()
         if peft_config is not None and base_sync_done:
