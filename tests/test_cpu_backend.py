@@ -152,6 +152,7 @@ def test_server_sampling_is_reproducible_per_step_and_varies_within_a_group(serv
     assert len(greedy) == 1
 
 
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
 REQUESTS = [  # prompts of different lengths, a repeated prompt, and every kind of sampling in one batch
     ([5, 12, 6, 13, 14], {"temperature": 1.0}),
     ([7, 8, 9], {"temperature": 0.7, "top_k": 5}),
@@ -206,6 +207,21 @@ def test_concurrent_requests_are_batched_and_answer_as_one_at_a_time(server, mon
                                torch.tensor([x for o in one_at_a_time for x in o.log_probs]), rtol=1e-5, atol=1e-5)
 
 
+def test_a_decode_takes_at_most_max_num_seqs_requests(server, monkeypatch):
+    """rollout.max_num_seqs bounds a batched decode, as it bounds vLLM's scheduled sequences."""
+    srv, _ = server
+    batch_sizes = []
+    decode = srv.decode
+    monkeypatch.setattr(srv, "decode", lambda requests: batch_sizes.append(len(requests)) or decode(requests))
+    monkeypatch.setattr(srv, "max_batch", 5)
+
+    async def concurrently():
+        return await asyncio.gather(*[srv.generate(p, {**SAMPLING, **s}, f"r{i}") for i, (p, s) in enumerate(REQUESTS)])
+
+    assert all(o.stop_reason == "completed" for o in asyncio.run(concurrently()))
+    assert batch_sizes == [5, 5, 5, 3]
+
+
 def test_a_failing_batch_fails_its_requests_instead_of_hanging(server, monkeypatch):
     srv, _ = server
     monkeypatch.setattr(srv, "decode", lambda requests: 1 / 0)
@@ -239,9 +255,6 @@ def test_server_weight_sync(server):
 
 
 # ---------------------------------------------------------------- the async trainers' calls (abort, gate, resume)
-
-SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
-
 
 def log_probs_under(srv, state, prompt, tokens):
     """(len(tokens),) brute force: a fresh copy of the served model with ``state`` loaded."""

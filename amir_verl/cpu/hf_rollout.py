@@ -14,7 +14,8 @@ into the same two registries those use:
   server applies with ``peft`` as vLLM serves a LoRA request (``HFRolloutServer.update_lora``).
 
 The server answers ``generate(prompt_ids, sampling_params, request_id, ...) -> TokenOutput`` in
-batches of the requests that are waiting (one padded decode per batch, :meth:`HFRolloutServer.sample_batch`),
+batches of the requests that are waiting, at most ``rollout.max_num_seqs`` (one padded decode per batch,
+:meth:`HFRolloutServer.decode`),
 with verl's sampling keys (temperature 0 = greedy, top_k -1 = off, logprobs), the
 response length limit vLLM applies, and the sampled tokens' log-probabilities (after temperature, as
 verl's actor computes them). For debugging on CPU only: it is slow and it does not shard.
@@ -47,7 +48,6 @@ from amir_verl.cpu import ROLLOUT_NAME
 logger = logging.getLogger(__name__)
 
 BATCH_WINDOW_S = 0.01  # how long the server waits for a batch to fill before its first forward pass
-MAX_BATCH = 256  # requests per batched decode
 # Seconds the decode loop pauses after each token (default 0: it only yields to the actor's other calls).
 # A test sets it so that a trainer's abort lands inside responses on a machine where decoding is fast.
 TOKEN_DELAY_ENV = "AMIR_VERL_HF_TOKEN_DELAY_S"
@@ -87,6 +87,7 @@ class HFRolloutServer:
         self._pending: list[tuple[tuple[list[int], dict, torch.Generator], asyncio.Future]] = []
         self._server_task: asyncio.Task | None = None
         self.token_delay_s = float(os.environ.get(TOKEN_DELAY_ENV, "0") or 0)
+        self.max_batch = int(config.max_num_seqs)  # requests per batched decode, as vLLM schedules at most these
         # The gate of verl's async trainers (vLLMHttpServer's submission gate): closed by abort_all_requests,
         # opened by resume_generation; _aborting cuts the running decode at its next token.
         self._gate_closed = False
@@ -218,7 +219,7 @@ class HFRolloutServer:
         answered with their partial responses and "aborted"."""
         await asyncio.sleep(BATCH_WINDOW_S)  # the requests verl sends together arrive within milliseconds
         while self._pending and not self._aborting:
-            batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
+            batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
             version = self.global_steps  # weights change only after an abort has drained this loop
             try:
                 for responses, active in self.decode([request for request, _ in batch]):

@@ -40,11 +40,12 @@ from amir_verl.cpu.toy_task import make_assets
 FP32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
 
 
-def amir_overrides(loss_mode: str = "amir_grpo", **amir: object) -> list[str]:
-    """The override set that turns verl's GRPO (or GSPO) run into AMIR, as the README states it."""
+def amir_overrides(loss_mode: str = "amir_grpo", *, trainer_mode: str = "amir", **amir: object) -> list[str]:
+    """The override set that turns verl's GRPO (or GSPO) run into AMIR, as the README states it; ``trainer_mode``
+    picks the schedule (``amir``, ``amir_colocate_async``, ``amir_separate_async``)."""
     return [
         f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
-        "trainer.v1.trainer_mode=amir",
+        f"trainer.v1.trainer_mode={trainer_mode}",
         "actor_rollout_ref.actor.use_kl_loss=True",
     ] + [f"+amir.{k}={v}" for k, v in amir.items()]
 

@@ -9,20 +9,15 @@ and PEFT config (``model.lora.merge=False``, the default; ``rollout.layered_summ
 unit at a time) or full merged weights (``merge=True``); the ``hf`` rollout serves both
 (:mod:`amir_verl.cpu.hf_rollout`).
 
-verl's rollout dump keeps decoded text only, so each run records AMIR's own inputs: a Ray worker setup
-hook (:func:`install_probe`) wraps ``AmirPPOTrainer._compute_advantage`` in the process that runs the
-trainer and saves, per step, the token ids, verl's old and reference log-probs, the rewards and the l_ref
-AMIR stored for the actor. The test then recomputes everything with transformers and peft from the base
+verl's rollout dump keeps decoded text only, so each run records AMIR's own inputs with the probe of
+:mod:`tests.e2e.probe`: per step, the token ids, verl's old and reference log-probs, the rewards and the
+l_ref AMIR stored for the actor. The test then recomputes everything with transformers and peft from the base
 model and verl's checkpoints. Run alone with ``python -m pytest tests/e2e/test_lora.py``.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import math
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,64 +25,7 @@ import torch
 
 from amir_verl.step_batch import FIELD_REF_SEQ_LOGP
 
-# Ray workers import this module for the probe: verl and the other test modules are imported lazily.
 REPO = Path(__file__).resolve().parents[2]
-PROBE_DIR_ENV = "AMIR_TEST_LORA_PROBE_DIR"
-PROBE_FIELDS = ["prompts", "responses", "response_mask", "rm_scores", "old_log_probs", "ref_log_prob",
-                FIELD_REF_SEQ_LOGP]
-
-
-# ---- the probe: runs inside verl's Ray workers ------------------------------------------------------
-
-def _as_lists(tensor: torch.Tensor) -> list:
-    """A TransferQueue field -> one Python list per sample (jagged fields have no padding)."""
-    return [row.tolist() for row in tensor.unbind(0)] if tensor.is_nested else tensor.tolist()
-
-
-def _record_steps(trainer_cls, folder: Path) -> None:
-    upstream = trainer_cls._compute_advantage
-
-    def _compute_advantage(self, batch, metrics):
-        import transfer_queue as tq
-
-        batch = upstream(self, batch, metrics)
-        fields = [f for f in PROBE_FIELDS if f != "ref_log_prob" or self.use_reference_policy]
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-        record = {name: _as_lists(data[name]) for name in fields}
-        record["keys"] = list(batch.keys)
-        torch.save(record, folder / f"step_{self.global_steps}.pt")
-        return batch
-
-    trainer_cls._compute_advantage = _compute_advantage
-
-
-class _PatchTrainerOnImport(importlib.abc.MetaPathFinder):
-    """Wraps the AMIR trainer when ``amir_verl.trainer`` is imported (only verl processes import it, so the
-    other Ray workers do not pay for importing verl)."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-
-    def find_spec(self, name, path, target=None):
-        if name != "amir_verl.trainer":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        execute = spec.loader.exec_module
-
-        def exec_module(module):
-            execute(module)
-            _record_steps(module.AmirPPOTrainer, self.folder)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-def install_probe() -> None:
-    """Ray ``worker_process_setup_hook`` of the runs below (a no-op without ``AMIR_TEST_LORA_PROBE_DIR``)."""
-    folder = os.environ.get(PROBE_DIR_ENV)
-    if folder:
-        sys.meta_path.insert(0, _PatchTrainerOnImport(Path(folder)))
 
 
 # ---- the runs -----------------------------------------------------------------------------------------
@@ -115,16 +53,10 @@ def lora_command(assets, workdir: Path, steps: int, amir: list[str]):
     """main_ppo on the toy task with the overrides ``amir`` (AMIR and LoRA; later overrides win, so the
     recipe's ``kl_loss_coef`` replaces the toy run's 0), a checkpoint every step and the probe, which
     records in ``workdir/probe``."""
+    from tests.e2e.probe import probed
     from tests.e2e.test_main_ppo_cpu import train_command
 
-    probe = workdir / "probe"
-    probe.mkdir(parents=True)
-    command = train_command(assets, workdir, steps, amir + [
-        f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={__name__}.install_probe",
-    ], save_freq=1)
-    command.env[PROBE_DIR_ENV] = str(probe)
-    command.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    return command
+    return probed(train_command(assets, workdir, steps, amir, save_freq=1), workdir, REPO)
 
 
 # ---- independent recomputation ------------------------------------------------------------------------
