@@ -42,6 +42,7 @@ import torch
 
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
+from verl.workers.rollout.utils import ensure_async_iterator
 
 from amir_verl.cpu import ROLLOUT_NAME
 
@@ -407,8 +408,10 @@ class HFServerAdapter(BaseRollout):
         takes again."""
         if wire_format != "named_tensors":
             raise NotImplementedError(f"the hf rollout backend takes named tensors, not {wire_format!r}")
-        # Every rank drains its generator (gathering a sharded tensor is collective); the leader ships.
-        state = {name: tensor.detach().to("cpu", torch.float32).clone() for name, tensor in weights}
+        # Every rank drains its generator (gathering a sharded tensor is collective); the leader ships. A
+        # checkpoint engine's receive_weights may be an async generator (verl's engines are).
+        state = {name: tensor.detach().to("cpu", torch.float32).clone()
+                 async for name, tensor in ensure_async_iterator(weights)}
         if not self.is_leader_rank:
             return
         server = self._server_handle()

@@ -2,8 +2,8 @@
 
 verl 0.9.1 knows the nvidia, huawei and amd platforms and falls back to nvidia ("cuda") on a machine
 without an accelerator. This module registers a ``cpu`` platform through verl's platform plugin API
-(``PlatformRegistry.register`` / ``set_platform``) and applies three small patches, the first two
-needed because the device is the CPU, the third because a CPU run's steps are short (each when verl
+(``PlatformRegistry.register`` / ``set_platform``) and applies four small patches, the first, second and
+fourth needed because the device is the CPU, the third because a CPU run's steps are short (each when verl
 imports the module it patches: :data:`PATCHES`):
 
 1. ``verl.utils.distributed.initialize_global_process_group_ray`` builds the backend string
@@ -16,6 +16,11 @@ imports the module it patches: :data:`PATCHES`):
    every ``poll_interval`` seconds, 2.0 by default, and verl's trainer does not pass one: on a toy run
    that sleep is most of a step. The default becomes :data:`REPLAY_BUFFER_POLL_INTERVAL_S`; an explicit
    ``poll_interval`` (a custom sampler's) is kept.
+4. ``verl.utils.fsdp_utils.fsdp2_sharded_save_to_cpu`` snapshots each parameter shard with
+   ``.detach().cpu()``, which on the CPU returns the live storage itself: ``separate_async``'s decoupled PPO
+   (``DetachActorWorker.save_model_to_cpu``) would "save" pi_old as a view that the optimizer then changes,
+   its restore would do nothing, and local updates j >= 1 would compute old log-probs at the current weights.
+   The saved shards are cloned.
 
 verl's FSDP engines are registered for the devices ``cuda`` and ``npu`` only; verl's own
 ``VERL_ENGINE_DEVICE`` override selects them. Ray still schedules verl's workers on "GPU" bundles, so
@@ -194,6 +199,21 @@ def _patch_replay_buffer_poll_interval(replay_buffer) -> None:
     replay_buffer.ReplayBuffer.__init__ = __init__  # ReplayBufferAsync and custom samplers inherit it
 
 
+def _patch_sharded_save_to_cpu(fsdp_utils) -> None:
+    """``verl.utils.fsdp_utils``: the CPU "copy" of each shard is a copy."""
+    upstream = fsdp_utils.fsdp2_sharded_save_to_cpu
+    if getattr(upstream, "_amir_cpu", False):
+        return
+
+    @functools.wraps(upstream)
+    def fsdp2_sharded_save_to_cpu(model):
+        state, global_spec = upstream(model)
+        return {name: (tensor.clone(), spec) for name, (tensor, spec) in state.items()}, global_spec
+
+    fsdp2_sharded_save_to_cpu._amir_cpu = True
+    fsdp_utils.fsdp2_sharded_save_to_cpu = fsdp2_sharded_save_to_cpu
+
+
 # verl module -> what is done to it once it has been imported (at once if it already has been). Importing
 # these modules here instead would cost every process of a run about 3 s of CPU (measured: ``import verl``
 # 5.0 s -> 8.3 s), and most of a run's Ray processes (load balancer, reward loop, TransferQueue) never use them.
@@ -202,6 +222,7 @@ PATCHES = {
     "verl.workers.engine_workers": _rebind_process_group_backend,
     "verl.workers.engine.fsdp.transformer_impl": _patch_forward_only_offload_policy,
     "verl.trainer.ppo.v1.replay_buffer": _patch_replay_buffer_poll_interval,
+    "verl.utils.fsdp_utils": _patch_sharded_save_to_cpu,
 }
 
 
