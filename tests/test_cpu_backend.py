@@ -1,6 +1,7 @@
 """The CPU backend: the `cpu` platform, its three patches, and the `hf` rollout server (no Ray needed)."""
 
 import asyncio
+import inspect
 import os
 import subprocess
 import sys
@@ -8,10 +9,11 @@ import sys
 import pytest
 import torch
 
-from verl.checkpoint_engine.base import CheckpointEngineManager
+from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineManager, CheckpointEngineWorker
+from verl.experimental.separation.engine_workers import DetachActorWorker
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
-from verl.utils import distributed
+from verl.utils import distributed, fsdp_utils
 from verl.workers import engine_workers
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
@@ -44,7 +46,22 @@ CPU_SEAMS = {
     "ActorRolloutRefWorker.update_weights": (engine_workers.ActorRolloutRefWorker.update_weights, "ea8f2ec1eb8a4481",
                                              "calls the adapter's resume / update_weights(weights, peft_config, ...)"),
     "CheckpointEngineManager.update_weights": (CheckpointEngineManager.update_weights, "7dc90230efef777a",
-                                               "naive backend -> worker update_weights"),
+                                               "naive backend -> worker update_weights; other backends: abort, "
+                                               "build_process_group, send/receive, finalize, resume"),
+    "CheckpointEngineManager.build_process_group": (CheckpointEngineManager.build_process_group, "a6dd18d2640ae8e0",
+                                                    "prepare on every worker, build_topology on actor rank 0's "
+                                                    "metadata first, init_process_group (cpu_object_store)"),
+    "CheckpointEngine": (CheckpointEngine, "b29fe9957c72579a", "the protocol cpu_object_store implements"),
+    "CheckpointEngineWorker.update_weights": (CheckpointEngineWorker.update_weights, "290edf10e58b9153",
+                                              "hands receive_weights() (an async generator) to HFServerAdapter"),
+    "fsdp2_sharded_save_to_cpu": (inspect.unwrap(fsdp_utils.fsdp2_sharded_save_to_cpu), "ecdb335bb1d3948f",
+                                  "patched: .detach().cpu() aliases the live shard on the CPU"),
+    "fsdp2_sharded_load_from_cpu": (fsdp_utils.fsdp2_sharded_load_from_cpu, "fee0f1bd3e0db181",
+                                    "copies the saved shards back in place (the restore of pi_old)"),
+    "DetachActorWorker.save_model_to_cpu": (DetachActorWorker.save_model_to_cpu, "ee3493289bb90b59",
+                                            "separate_async's pi_old save: the strategy's sharded save"),
+    "DetachActorWorker.restore_model_from_cpu": (DetachActorWorker.restore_model_from_cpu, "c612cc1e734e9240",
+                                                 "separate_async's pi_old restore: the strategy's sharded load"),
 }
 
 
@@ -70,6 +87,8 @@ PROBE = (
     "from verl.workers.rollout.replica import RolloutReplicaRegistry\n"
     "import verl.utils.distributed as d, verl.workers.engine_workers as w\n"
     "import verl.workers.engine.fsdp.transformer_impl as f\n"
+    "import verl.utils.fsdp_utils as fu\n"
+    "from verl.checkpoint_engine.base import CheckpointEngineRegistry\n"
     "import time\n"
     "from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer\n"
     "buffer = ReplayBuffer(trainer_mode='sync', trainer_config={}, max_off_policy_threshold=1,\n"
@@ -79,17 +98,19 @@ PROBE = (
     "print(get_device_name(), get_nccl_backend(), ('hf', 'async') in _ROLLOUT_REGISTRY,\n"
     "      'hf' in RolloutReplicaRegistry._registry, getattr(d.initialize_global_process_group_ray, '_amir_cpu', False),\n"
     "      getattr(w.initialize_global_process_group_ray, '_amir_cpu', False), getattr(f.CPUOffloadPolicy, '_amir_cpu', False),\n"
-    "      buffer.poll_interval, poll)\n"
+    "      buffer.poll_interval, poll, getattr(fu.fsdp2_sharded_save_to_cpu, '_amir_cpu', False),\n"
+    "      'cpu_object_store' in CheckpointEngineRegistry._registry)\n"
 )
 
 
 def test_switch_on_gives_a_cpu_platform_and_the_hf_rollout():
-    assert run_python(PROBE, cpu=True) == f"cpu gloo True True True True True {REPLAY_BUFFER_POLL_INTERVAL_S} fast-poll"
+    assert run_python(PROBE, cpu=True) == (f"cpu gloo True True True True True {REPLAY_BUFFER_POLL_INTERVAL_S} "
+                                           "fast-poll True True")
 
 
 def test_switch_off_touches_nothing():
     """Without AMIR_VERL_CPU, verl keeps its own platform detection, patches and registries."""
-    assert run_python(PROBE, cpu=False) == "cuda nccl False False False False False 2.0 slow-poll"
+    assert run_python(PROBE, cpu=False) == "cuda nccl False False False False False 2.0 slow-poll False False"
 
 
 def test_switch_on_leaves_the_patched_modules_to_verl_to_import():
@@ -97,7 +118,8 @@ def test_switch_on_leaves_the_patched_modules_to_verl_to_import():
     uses them (load balancer, reward loop, TransferQueue) does not pay their import (about 3 s of CPU)."""
     from amir_verl.cpu.platform import PATCHES
 
-    heavy = sorted(PATCHES) + ["verl.workers.rollout.base", "verl.workers.rollout.replica", "amir_verl.cpu.hf_rollout"]
+    heavy = sorted(PATCHES) + ["verl.workers.rollout.base", "verl.workers.rollout.replica", "amir_verl.cpu.hf_rollout",
+                               "verl.checkpoint_engine.base", "amir_verl.cpu.checkpoint_engine"]
     code = f"import sys, verl; print([m for m in {heavy!r} if m in sys.modules])"
     assert run_python(code, cpu=True) == "[]"
 

@@ -6,7 +6,8 @@ and the environment variable :data:`PROBE_DIR_ENV`) wraps ``AmirTrainerMixin._co
 that runs the trainer. Each call (one per local update) saves ``step_<k>.pt`` (local update 0) or
 ``step_<k>_<j>.pt`` (local update j >= 1 of ``separate_async``): the sample keys and tags (verl's
 ``min_global_steps`` / ``max_global_steps``: the weight versions a trajectory was generated over), the
-per-sample fields of :data:`PROBE_FIELDS` present in TransferQueue, and the ``amir/*`` metrics of the call.
+per-sample fields of :data:`PROBE_FIELDS` present in TransferQueue, and the ``amir/*`` metrics of the call;
+and ``actor_<k>[_<j>].pt``, the ``actor/*`` metrics of the local update's actor update.
 
 Ray workers import this module: verl and the test modules are imported lazily.
 """
@@ -32,6 +33,11 @@ def _as_lists(tensor: torch.Tensor) -> list:
     return [row.tolist() for row in tensor.unbind(0)] if tensor.is_nested else tensor.tolist()
 
 
+def _record_file(folder: Path, trainer, prefix: str) -> Path:
+    local = trainer.local_trigger_step
+    return folder / (f"{prefix}_{trainer.global_steps}.pt" if local == 0 else f"{prefix}_{trainer.global_steps}_{local}.pt")
+
+
 def _record_calls(trainer_cls, folder: Path) -> None:
     upstream = trainer_cls._compute_advantage
 
@@ -45,12 +51,20 @@ def _record_calls(trainer_cls, folder: Path) -> None:
         record["tags"] = [dict(tag) for tag in batch.tags]
         record["metrics"] = {k: float(v) for k, v in metrics.items() if k.startswith("amir/")}
         record["extra_info"] = {k: v for k, v in batch.extra_info.items() if k.startswith("amir_")}
-        local = self.local_trigger_step
-        torch.save(record, folder / (f"step_{self.global_steps}.pt" if local == 0 else
-                                     f"step_{self.global_steps}_{local}.pt"))
+        torch.save(record, _record_file(folder, self, "step"))
+        return batch
+
+    def _update_actor(self, batch, metrics):
+        # the mixin defines no _update_actor: this runs verl's, and records this local update's actor metrics
+        # (verl averages them over a step's local updates)
+        seen = set(metrics)
+        batch = super(trainer_cls, self)._update_actor(batch, metrics)
+        torch.save({k: float(v) for k, v in metrics.items() if k not in seen and k.startswith("actor/")},
+                   _record_file(folder, self, "actor"))
         return batch
 
     trainer_cls._compute_advantage = _compute_advantage
+    trainer_cls._update_actor = _update_actor
 
 
 class _PatchTrainerOnImport(importlib.abc.MetaPathFinder):
