@@ -47,7 +47,7 @@ class StepFields:
     ref_seq_logp: (N,) l_ref (zeros when reference-free).
     partner_score: (N, W) frozen partner scores l_old - l_ref; W >= 1.
     partner_sign: (N, W) +1 / -1 / 0 (see :func:`amir_verl.preference.partner_table`).
-    stats: the step's ``amir/*`` statistics at the policy that generated the batch.
+    stats: the step's ``amir/*`` statistics at the policy the update starts from (old_log_probs).
     """
 
     old_seq_logp: torch.Tensor

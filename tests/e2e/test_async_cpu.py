@@ -248,3 +248,33 @@ def test_amir_matches_brute_force_on_recorded_batches_that_crossed_weight_syncs(
             assert console[step][key] == pytest.approx(expected, rel=1e-6), (step, key)
         state = json.loads((workdir / "checkpoints" / f"global_step_{step}" / "amir_state.json").read_text())
         assert state["lambda_controller"]["num_updates"] == local_updates * step
+
+
+@pytest.mark.e2e
+def test_an_async_run_resumes_with_verls_restored_prompts_and_the_lambda_controller(assets, async_runs, tmp_path):
+    """The colocate_async run's checkpoint of step 2, resumed for step 3: verl restores its TransferQueue (the
+    finished groups and in-flight prompts it saved), AMIR its controller, and the resumed step's batch passes
+    the same brute-force checks against the original run's checkpoints."""
+    import json
+    import re
+    import shutil
+
+    from tests.e2e.test_main_ppo_cpu import train_side_by_side
+
+    workdir, _, _ = async_runs["colocate_async"]
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(workdir / "checkpoints" / "global_step_2", resumed / "checkpoints" / "global_step_2")
+    (resumed / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+    console = train_side_by_side({"resumed": async_command(assets, resumed, "colocate_async")})["resumed"]
+    assert sorted(console) == [3]
+    log = (resumed / "main_ppo.log").read_text()
+    restored = re.search(r"Restored (\d+) training prompt groups from TransferQueue", log)
+    assert restored and int(restored.group(1)) > 0
+    reissued = re.search(r"Re-issued (\d+) in-flight prompts", log)
+    print(f"restored {restored.group(1)} prompt groups, re-issued {reissued.group(1) if reissued else 0} prompts")
+    state = json.loads((resumed / "checkpoints" / "global_step_3" / "amir_state.json").read_text())
+    assert state["lambda_controller"]["num_updates"] == 3  # 2 restored + this step's
+    record, actor = torch.load(resumed / "probe" / "step_3.pt"), torch.load(resumed / "probe" / "actor_3.pt")
+    policies = {step: load_policy(assets, workdir, step) for step in range(STEPS)}
+    check_update(record, actor, policies, 3, LAYOUT["colocate_async"][0], exact_gradient=True)
