@@ -1,6 +1,6 @@
 """Worker side of the verl glue: the AMIR actor loss.
 
-``ActorRolloutRefWorker.set_loss_fn`` (called by :class:`amir_verl.trainer.AmirPPOTrainer`) installs
+``ActorRolloutRefWorker.set_loss_fn`` (called by :class:`amir_verl.trainer.AmirTrainerMixin`) installs
 :func:`amir_ppo_loss`, which calls verl's own ``ppo_loss`` with the base loss mode
 (``amir.base_loss_mode``; any mode of verl's registry) and adds this micro-batch's share of
 ``lambda * (-J_pref)`` from the per-sample fields the driver computed (:mod:`amir_verl.step_batch`).

@@ -28,7 +28,8 @@ def registry_entry(loss_mode: str):
     def refuse(*args, **kwargs):
         raise RuntimeError(
             f"policy_loss.loss_mode={loss_mode} is computed by amir_verl.actor_loss.amir_ppo_loss, which the AMIR "
-            f"trainer installs: add trainer.v1.trainer_mode={AMIR_TRAINER_MODE} (and keep trainer.use_v1=True). "
+            f"trainer installs: add trainer.v1.trainer_mode={AMIR_TRAINER_MODE} (or amir_colocate_async / "
+            "amir_separate_async for verl's async schedules; keep trainer.use_v1=True). "
             "This registry entry only lets verl's config accept the mode."
         )
 

@@ -30,12 +30,12 @@ install_early_config_check()  # AMIR config errors stop main_ppo on the driver, 
 
 # verl module that owns a registry -> the AMIR module whose import registers there. The hooks sit on the
 # packages whose __init__ imports the registry and its users (``verl.trainer.ppo.v1`` imports
-# ``trainer_base`` and ``trainer_sync``, which AmirPPOTrainer subclasses), so the AMIR module finds them
+# ``trainer_base`` and the three trainers the AMIR trainers subclass), so the AMIR module finds them
 # complete; ``TaskRunnerV1.run`` and ``resolve_reward_manager_cls`` import those packages before looking up.
 REGISTRATIONS = {
     "verl.trainer.ppo.core_algos": "amir_verl.loss_modes",  # policy-loss modes amir, amir_grpo, amir_gspo
     "verl.experimental.reward_loop.reward_manager": "amir_verl.reward.manager",  # reward manager amir_calibrated
-    "verl.trainer.ppo.v1": "amir_verl.trainer",  # V1 trainer mode amir
+    "verl.trainer.ppo.v1": "amir_verl.trainer",  # V1 trainer modes amir, amir_colocate_async, amir_separate_async
 }
 
 

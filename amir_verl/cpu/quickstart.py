@@ -52,10 +52,11 @@ def amir_overrides(loss_mode: str = "amir_grpo", *, trainer_mode: str = "amir", 
 
 def cpu_overrides(assets: dict[str, str], workdir: Path, steps: int, n_gpus: int = 1, group_size: int = 8,
                   prompts_per_step: int = 8, micro_batch: int = 16, test_freq: int = 2, save_freq: int = -1,
-                  seed: int = 0) -> list[str]:
+                  seed: int = 0, schedule: str = "sync", local_updates: int = 2) -> list[str]:
     """verl overrides for a GRPO run of the toy task on the CPU backend (no AMIR keys).
 
-    ``workdir`` gets the run's checkpoints (``workdir/checkpoints``, every ``save_freq`` steps)."""
+    ``workdir`` gets the run's checkpoints (``workdir/checkpoints``, every ``save_freq`` steps). ``schedule``
+    is the verl V1 schedule the run's trainer mode runs (:func:`schedule_overrides`)."""
     return [
         "algorithm.adv_estimator=grpo",
         "algorithm.use_kl_in_reward=False",
@@ -105,13 +106,34 @@ def cpu_overrides(assets: dict[str, str], workdir: Path, steps: int, n_gpus: int
         "trainer.val_before_train=True",
         f"trainer.default_local_dir={workdir / 'checkpoints'}",
         "+ray_kwargs.ray_init.num_cpus=16",  # logical: verl's workers, TransferQueue and reward actors
-        f"+ray_kwargs.ray_init.num_gpus={n_gpus}",  # logical GPUs: verl's resource pools ask for them
+        # logical GPUs: verl's resource pools ask for them (separate_async: one more, its standalone rollout's)
+        f"+ray_kwargs.ray_init.num_gpus={n_gpus + (schedule == 'separate_async')}",
         "+ray_kwargs.ray_init.include_dashboard=False",
         # a Ray of this run's own: ray.init() would otherwise join the cluster named by RAY_ADDRESS or the
         # last `ray start` on this machine, and fail there on num_cpus / num_gpus
         "+ray_kwargs.ray_init.address=local",
         # one TransferQueue storage actor instead of 8: each is a Python process that takes seconds to start
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+    ] + schedule_overrides(schedule, prompts_per_step, local_updates)
+
+
+def schedule_overrides(schedule: str, prompts_per_step: int, local_updates: int = 2) -> list[str]:
+    """What verl's V1 ``schedule`` needs on the CPU backend besides the trainer mode: nothing for ``sync`` and
+    ``colocate_async``; for ``separate_async`` a standalone rollout replica on a logical GPU of its own, its
+    weights through the checkpoint engine ``cpu_object_store``, and ``local_updates`` local updates per step
+    (verl requires train_batch_size = parameter_sync_step x ppo_mini_batch_size)."""
+    if schedule in ("sync", "colocate_async"):
+        return []
+    if schedule != "separate_async":
+        raise ValueError(f"unknown verl V1 schedule {schedule!r}")
+    if prompts_per_step % local_updates:
+        raise ValueError(f"{prompts_per_step} prompts per step do not split into {local_updates} local updates")
+    return [
+        "actor_rollout_ref.rollout.nnodes=1",
+        "actor_rollout_ref.rollout.n_gpus_per_node=1",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_object_store",
+        f"trainer.v1.separate_async.parameter_sync_step={local_updates}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts_per_step // local_updates}",
     ]
 
 
