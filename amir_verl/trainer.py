@@ -126,10 +126,11 @@ def describe_update_semantics(config: DictConfig, base_mode: str) -> str | None:
                      f"picking its own lambda; partners are frozen at {where}; verl averages the amir/* metrics "
                      "over the local updates.")
     if mini_batches > 1 or epochs > 1:
+        update = "step" if local_updates == 1 else "local update"
         lines.append(
-            f"AMIR: {mini_batches} mini-batch(es) x {epochs} epoch(s) per update: each sequence's pair terms use "
+            f"AMIR: {mini_batches} mini-batch(es) x {epochs} epoch(s) per {update}: each sequence's pair terms use "
             "its current log-prob against its partners' log-probs frozen at the start of the update (like the "
-            "advantages); the term is exact only for the first optimizer step. Each update weighs it by the "
+            f"advantages); the term is exact only for the first optimizer step. Each {update} weighs it by the "
             "number of mini-batches (README, 'Mini-batches and epochs')."
         )
     return " ".join(lines) or None

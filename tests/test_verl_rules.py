@@ -361,3 +361,25 @@ def test_fsdp_reads_lora_rank_while_the_trainer_also_reads_lora_dot_rank_so_the_
     for keys in (["actor_rollout_ref.model.lora_rank=16"],  # what the recipes set
                  ["actor_rollout_ref.model.lora.rank=16", "actor_rollout_ref.model.lora_rank=16"]):
         validate_amir_run(amir_run(keys))
+
+
+@pytest.mark.parametrize("mode, overrides, expected", [
+    ("amir", ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8"], None),  # exact: silent
+    ("amir", ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
+     ["AMIR: 2 mini-batch(es) x 1 epoch(s) per step"]),
+    ("amir_colocate_async", ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                             "++trainer.v1.colocate_async.parameter_sync_step=2"],
+     ["2 local updates per step (colocate_async)", "the weights each local update starts from"]),
+    ("amir_separate_async", SEPARATE + ["++trainer.v1.separate_async.parameter_sync_step=2"],
+     ["2 local updates per step (separate_async)", "exact for local update 0",
+                                       "anchored surrogate"]),
+])
+def test_the_start_line_states_the_schedules_semantics(mode, overrides, expected):
+    from amir_verl.trainer import describe_update_semantics
+
+    line = describe_update_semantics(amir_run(overrides, mode), AMIR_TRAINER_MODES[mode])
+    if expected is None:
+        assert line is None
+    else:
+        assert all(part in line for part in expected), line
+        assert "mini-batch(es)" not in line or mode == "amir"  # one mini-batch per local update otherwise
