@@ -96,6 +96,7 @@ class HFRolloutServer:
         self._gate_open = asyncio.Event()
         self._gate_open.set()
         self._aborting = False
+        self._cut = 0  # requests the running decode answered "aborted", counted for abort_all_requests
 
     def ready(self) -> bool:
         return True
@@ -235,6 +236,7 @@ class HFRolloutServer:
                 for (_, future), (tokens, log_probs), running in zip(batch, responses, active):
                     if not future.done():
                         future.set_result((tokens, log_probs, "aborted" if running else "completed", version))
+                        self._cut += running
             await asyncio.sleep(0)  # let the answered requests return and new ones queue
 
     async def _admit(self) -> bool:
@@ -276,7 +278,7 @@ class HFRolloutServer:
         if not self._gate_closed:  # a new event on this loop (an Event binds to the loop it is awaited on)
             self._gate_open = asyncio.Event()
         self._gate_closed, self._rejecting = True, reject_request
-        self._aborting = True
+        self._aborting, self._cut = True, 0
         queued, self._pending = self._pending, []
         for _, future in queued:
             if not future.done():
@@ -284,7 +286,7 @@ class HFRolloutServer:
         if self._server_task is not None and not self._server_task.done():
             await asyncio.wait({self._server_task})
         self._aborting = False
-        return {"aborted_count": len(queued), "request_ids": []}
+        return {"aborted_count": len(queued) + self._cut, "request_ids": []}
 
     async def resume_generation(self) -> None:
         """Open the gate: parked requests are admitted (vLLMHttpServer.resume_generation)."""
