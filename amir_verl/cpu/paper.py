@@ -32,14 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from amir_verl.cpu.launch import (
-    LoggedCommand,
-    MainPPOFailed,
-    main_ppo_env,
-    run_logged,
-    run_logged_together,
-    run_main_ppo_together,
-)
+from amir_verl.cpu.launch import LoggedCommand, MainPPOFailed, main_ppo_env, run_logged, run_main_ppo_together
 from amir_verl.cpu.paper_data import write_raw_datasets
 from amir_verl.cpu.quickstart import FP32, RunProgress
 
@@ -242,17 +235,11 @@ def evaluate(work: Path, pairs: list[tuple[str, str]], merged: dict[str, Path], 
             "margin": ["margin", *runs, *models, "--device", "cpu"],
             "perplexity": ["perplexity", *runs, *models, "--device", "cpu"],
         }
-        # the analyses are independent: side by side (margin and perplexity each score both models)
-        logged = {f"{analysis}_{base}": LoggedCommand([*amir_eval, *args, "--out", str(results)],
-                                                      log_path=work / "logs" / f"eval_{analysis}_{base}.log")
-                  for analysis, args in commands.items()}
-        for name, (returncode, output) in run_logged_together(logged, timeout=1800).items():
-            if returncode != 0:
-                tail = output.strip().splitlines()[-1:] or ["(no output)"]
-                raise PipelineError(f"amir-eval {name.rsplit('_', 1)[0]} failed (exit {returncode}): {tail[0][:300]}; "
-                                    f"full log: {logged[name].log_path}")
-            outputs[name] = output
-        log(f"amir-eval {', '.join(commands)} ({VARIANTS[base]} vs {VARIANTS[amir]}) -> {results}")
+        for analysis, args in commands.items():
+            name = f"{analysis}_{base}"
+            outputs[name] = _run(f"amir-eval {analysis}", [*amir_eval, *args, "--out", str(results)],
+                                 work / "logs" / f"eval_{name}.log")
+            log(f"amir-eval {analysis} ({VARIANTS[base]} vs {VARIANTS[amir]}) -> {results}")
     return outputs
 
 
