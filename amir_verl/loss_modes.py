@@ -17,9 +17,7 @@ from __future__ import annotations
 
 from verl.trainer.ppo.core_algos import register_policy_loss
 
-from amir_verl.run_config import AMIR_LOSS_MODES
-
-AMIR_TRAINER_MODE = "amir"  # trainer.v1.trainer_mode of the AMIR trainer (amir_verl.trainer)
+from amir_verl.run_config import AMIR_LOSS_MODES, AMIR_TRAINER_MODE
 
 
 def registry_entry(loss_mode: str):

@@ -30,7 +30,9 @@ SPLIT_INVARIANT_BASE_MODES = ("vanilla", "gspo", "cispo", "gpg", "dppo_tv", "dpp
 
 
 # trainer.v1.trainer_mode of each AMIR trainer (amir_verl.trainer) -> the verl V1 mode whose schedule it runs
-AMIR_TRAINER_MODES = {"amir": "sync", "amir_colocate_async": "colocate_async", "amir_separate_async": "separate_async"}
+AMIR_TRAINER_MODE = "amir"  # the synchronous one, which messages name first
+AMIR_TRAINER_MODES = {AMIR_TRAINER_MODE: "sync", "amir_colocate_async": "colocate_async",
+                      "amir_separate_async": "separate_async"}
 AMIR_TRAINER_MODE_KEY = "trainer.v1.trainer_mode"
 
 

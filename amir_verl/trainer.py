@@ -178,7 +178,6 @@ class AmirTrainerMixin:
     def __init__(self, config: DictConfig):
         self.amir, self.base_actor_config = run_base_actor_config(config)
         self.lambda_controller = self.amir.make_lambda_controller()
-        self._step_dump_fields = {name: {} for name in DUMPED_FIELDS}
         semantics = describe_update_semantics(config, self.BASE_MODE)
         if semantics:
             logger.warning(semantics)
