@@ -89,28 +89,24 @@ PROBE = (
     "import verl.workers.engine.fsdp.transformer_impl as f\n"
     "import verl.utils.fsdp_utils as fu\n"
     "from verl.checkpoint_engine.base import CheckpointEngineRegistry\n"
-    "import time\n"
     "from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer\n"
     "buffer = ReplayBuffer(trainer_mode='sync', trainer_config={}, max_off_policy_threshold=1,\n"
     "                      max_off_policy_strategy='wait', sampler_kwargs={})\n"
-    "start = time.monotonic(); buffer._wait_for_next_poll('train', time.time())\n"
-    "poll = 'fast-poll' if time.monotonic() - start < 0.5 else 'slow-poll'\n"
     "print(get_device_name(), get_nccl_backend(), ('hf', 'async') in _ROLLOUT_REGISTRY,\n"
     "      'hf' in RolloutReplicaRegistry._registry, getattr(d.initialize_global_process_group_ray, '_amir_cpu', False),\n"
     "      getattr(w.initialize_global_process_group_ray, '_amir_cpu', False), getattr(f.CPUOffloadPolicy, '_amir_cpu', False),\n"
-    "      buffer.poll_interval, poll, getattr(fu.fsdp2_sharded_save_to_cpu, '_amir_cpu', False),\n"
+    "      buffer.poll_interval, getattr(fu.fsdp2_sharded_save_to_cpu, '_amir_cpu', False),\n"
     "      'cpu_object_store' in CheckpointEngineRegistry._registry)\n"
 )
 
 
 def test_switch_on_gives_a_cpu_platform_and_the_hf_rollout():
-    assert run_python(PROBE, cpu=True) == (f"cpu gloo True True True True True {REPLAY_BUFFER_POLL_INTERVAL_S} "
-                                           "fast-poll True True")
+    assert run_python(PROBE, cpu=True) == (f"cpu gloo True True True True True {REPLAY_BUFFER_POLL_INTERVAL_S} True True")
 
 
 def test_switch_off_touches_nothing():
     """Without AMIR_VERL_CPU, verl keeps its own platform detection, patches and registries."""
-    assert run_python(PROBE, cpu=False) == "cuda nccl False False False False False 2.0 slow-poll False False"
+    assert run_python(PROBE, cpu=False) == "cuda nccl False False False False False 2.0 False False"
 
 
 def test_switch_on_leaves_the_patched_modules_to_verl_to_import():
@@ -290,15 +286,32 @@ def log_probs_under(srv, state, prompt, tokens):
 
 
 @pytest.fixture
-def slow_server(server, monkeypatch):
-    """The server decoding one token per 20 ms, so that a call lands inside a response; its weights are
-    restored afterwards."""
+def at_version_0(server, monkeypatch):
+    """The server serving version 0 (the weights a run starts from, where HOLD_ENV's holds apply); its weights
+    and hold settings are restored afterwards."""
     srv, _ = server
-    monkeypatch.setattr(srv, "token_delay_s", 0.02)
+    srv.set_global_steps(0)
     weights = {k: v.clone() for k, v in srv.model.state_dict().items()}
+    monkeypatch.setattr(srv, "holds_left", 0)
+    monkeypatch.setattr(srv, "hold_at_token", 0)
     yield srv
     srv.update_weights(weights)
     srv.set_global_steps(0)
+
+
+def abort_at_token(srv, monkeypatch, tokens: int) -> list:
+    """Starts ``srv.abort_all_requests()`` as soon as the running decode's longest response has ``tokens``
+    tokens: the decode yields to the server's event loop after every token, so the abort cuts it right there,
+    whatever the machine's pace. Returns the list that receives the abort's task."""
+    hook, aborts = srv._hold_at_their_token, []
+
+    def at_each_token(batch, responses, active, version, held):
+        hook(batch, responses, active, version, held)
+        if not aborts and max(len(t) for t, _ in responses) == tokens:
+            aborts.append(asyncio.ensure_future(srv.abort_all_requests()))
+
+    monkeypatch.setattr(srv, "_hold_at_their_token", at_each_token)
+    return aborts
 
 
 async def wait_until(condition, timeout=30.0):
@@ -309,28 +322,26 @@ async def wait_until(condition, timeout=30.0):
     raise TimeoutError
 
 
-def test_an_abort_cuts_decoding_between_tokens_and_the_gate_parks_new_requests(slow_server):
-    srv = slow_server
-    srv.set_global_steps(3)
+def test_an_abort_cuts_decoding_between_tokens_and_the_gate_parks_new_requests(at_version_0, monkeypatch):
+    srv = at_version_0
     prompt = [5, 12, 6, 13, 14]
+    aborts = abort_at_token(srv, monkeypatch, 4)
 
     async def scenario():
         running = [asyncio.ensure_future(srv.generate(prompt, {**SAMPLING, "max_tokens": 60}, f"r{i}"))
                    for i in range(3)]
-        await wait_until(lambda: srv._server_task is not None and srv._pending == [])  # the batch is decoding
-        await asyncio.sleep(0.15)
-        result = await srv.abort_all_requests()
-        assert all(task.done() for task in running)  # the abort returns once the decode has stopped
+        outputs = await asyncio.wait_for(asyncio.gather(*running), 30)
+        result = await aborts[0]  # the abort returns once the decode has stopped
         parked = asyncio.ensure_future(srv.generate(prompt, SAMPLING, "late"))
         await asyncio.sleep(0.2)
         assert not parked.done()  # behind the closed gate
         await srv.resume_generation()
-        return [task.result() for task in running], await asyncio.wait_for(parked, 30), result
+        return outputs, await asyncio.wait_for(parked, 30), result
 
     outputs, late, result = asyncio.run(scenario())
     for out in outputs:
-        assert out.stop_reason == "aborted" and 0 < len(out.token_ids) < 60, (out.stop_reason, len(out.token_ids))
-        assert len(out.log_probs) == len(out.token_ids) and out.extra_fields["global_steps"] == 3
+        assert (out.stop_reason, len(out.token_ids)) == ("aborted", 4)  # cut at the token the abort came after
+        assert len(out.log_probs) == len(out.token_ids) and out.extra_fields["global_steps"] == 0
         torch.testing.assert_close(torch.tensor(out.log_probs, dtype=torch.float64),
                                    log_probs_under(srv, srv.model.state_dict(), prompt, out.token_ids),
                                    rtol=1e-4, atol=1e-5)
@@ -338,8 +349,43 @@ def test_an_abort_cuts_decoding_between_tokens_and_the_gate_parks_new_requests(s
     assert result["aborted_count"] == 3  # all three, cut mid-response
 
 
-def test_queued_requests_abort_empty_and_a_rejecting_gate_answers_at_once(slow_server):
-    srv = slow_server
+def test_held_requests_wait_at_their_token_for_the_next_abort_under_version_0_only(at_version_0, monkeypatch):
+    """HOLD_ENV: the first requests under version 0 stop at a fixed token and only an abort answers them."""
+    from amir_verl.cpu.hf_rollout import HOLD_ENV, parse_hold
+
+    srv = at_version_0
+    monkeypatch.setattr(srv, "holds_left", 2)
+    monkeypatch.setattr(srv, "hold_at_token", 3)
+    prompt = [5, 12, 6, 13, 14]
+
+    async def scenario():
+        first = [asyncio.ensure_future(srv.generate(prompt, {**SAMPLING, "max_tokens": 40}, f"h{i}")) for i in range(3)]
+        await wait_until(lambda: first[2].done())  # the third was not held: it finished
+        assert not any(task.done() for task in first[:2]) and len(srv._held) == 2  # the first two wait
+        srv.set_global_steps(1)
+        monkeypatch.setattr(srv, "holds_left", 1)
+        later = await asyncio.wait_for(srv.generate(prompt, {**SAMPLING, "max_tokens": 40}, "later"), 30)
+        result = await srv.abort_all_requests()
+        await srv.resume_generation()
+        return [await task for task in first], later, result
+
+    (held_a, held_b, free), later, result = asyncio.run(scenario())
+    for out in (held_a, held_b):
+        assert (out.stop_reason, len(out.token_ids), out.extra_fields["global_steps"]) == ("aborted", 3, 0)
+        torch.testing.assert_close(torch.tensor(out.log_probs, dtype=torch.float64),
+                                   log_probs_under(srv, srv.model.state_dict(), prompt, out.token_ids),
+                                   rtol=1e-4, atol=1e-5)
+    assert free.stop_reason == "completed" and len(free.token_ids) > 3
+    assert later.stop_reason == "completed"  # version 1: nothing is held
+    assert result["aborted_count"] == 2
+    assert parse_hold("4@2") == (4, 2) and parse_hold("") == (0, 0)
+    for bad in ("4", "a@2", "4@0"):
+        with pytest.raises(ValueError, match=HOLD_ENV):
+            parse_hold(bad)
+
+
+def test_queued_requests_abort_empty_and_a_rejecting_gate_answers_at_once(at_version_0):
+    srv = at_version_0
 
     async def scenario():
         queued = asyncio.ensure_future(srv.generate([5, 6], SAMPLING, "queued"))
@@ -400,7 +446,7 @@ class _OneServerBalancer:
         return "hf-0", self._handle
 
 
-def test_verls_fully_async_client_resumes_an_aborted_response_under_the_new_weights(slow_server):
+def test_verls_fully_async_client_resumes_an_aborted_response_under_the_new_weights(at_version_0, monkeypatch):
     """colocate_async's cycle against verl's real FullyAsyncLLMServerClient: abort mid-response (on_sample_end),
     new weights and version (on_step_end's update_weights), resume_generation. The client resends prompt +
     partial response; its answer spans both versions, and each segment's log-probs are those of the weights
@@ -409,8 +455,8 @@ def test_verls_fully_async_client_resumes_an_aborted_response_under_the_new_weig
 
     from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
 
-    srv = slow_server
-    srv.set_global_steps(0)
+    srv = at_version_0
+    aborts = abort_at_token(srv, monkeypatch, 6)
     old_state = {k: v.clone() for k, v in srv.model.state_dict().items()}
     generator = torch.Generator().manual_seed(0)
     new_state = {k: v + 0.2 * torch.randn(v.shape, generator=generator) for k, v in old_state.items()}
@@ -422,9 +468,8 @@ def test_verls_fully_async_client_resumes_an_aborted_response_under_the_new_weig
 
     async def scenario():
         answer = asyncio.ensure_future(client.generate("q", prompt_ids=prompt, sampling_params=dict(SAMPLING)))
-        await wait_until(lambda: srv._server_task is not None and srv._pending == [])
-        await asyncio.sleep(0.15)
-        await srv.abort_all_requests()
+        await wait_until(lambda: aborts)
+        await aborts[0]  # on_sample_end's abort, at the 6th token
         srv.update_weights(new_state)
         srv.set_global_steps(1)
         await srv.resume_generation()
@@ -432,7 +477,7 @@ def test_verls_fully_async_client_resumes_an_aborted_response_under_the_new_weig
 
     out = asyncio.run(scenario())
     first, second = served
-    assert (first.stop_reason, first.extra_fields["global_steps"]) == ("aborted", 0) and first.token_ids
+    assert (first.stop_reason, first.extra_fields["global_steps"], len(first.token_ids)) == ("aborted", 0, 6)
     assert second.extra_fields["global_steps"] == 1
     assert out.token_ids == first.token_ids + second.token_ids and len(out.log_probs) == len(out.token_ids)
     assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]) == (0, 1)

@@ -26,6 +26,10 @@ tokens so far and ``stop_reason="aborted"`` (verl's ``FullyAsyncLLMServerClient`
 response under the new weights: a partial rollout); it closes a gate at which new requests park until
 ``resume_generation`` (or, with ``reject_request=True``, are answered "aborted" at once, so the client
 re-routes). Each answer carries the weights version that produced its tokens (``global_steps``).
+
+For tests, :data:`HOLD_ENV` makes a weight sync cut responses by construction rather than by timing: under the
+initial weights (version 0) the server holds the first requests it receives at a fixed token count, and only the
+next abort answers them (with those tokens, "aborted"), so their responses resume under the next weights.
 """
 
 from __future__ import annotations
@@ -49,11 +53,27 @@ from amir_verl.cpu import ROLLOUT_NAME
 logger = logging.getLogger(__name__)
 
 BATCH_WINDOW_S = 0.01  # how long the server waits for a batch to fill before its first forward pass
-# Seconds the decode loop pauses after each token (default 0: it only yields to the actor's other calls).
-# A test sets it so that a trainer's abort lands inside responses on a machine where decoding is fast.
-TOKEN_DELAY_ENV = "AMIR_VERL_HF_TOKEN_DELAY_S"
+# "<requests>@<tokens>", test-only: under version 0 (the weights a run starts from, never those of a resumed run),
+# the first <requests> requests the server receives stop decoding at their <tokens>-th token, unless they end
+# sooner, and wait there for the next abort_all_requests, which answers them "aborted" with those tokens. A run
+# needs more prompts in flight than its first step trains on (verl's warm-up batch does that), or its first step
+# waits forever for a held group; validation under version 0 would wait likewise.
+HOLD_ENV = "AMIR_VERL_HF_HOLD"
 
 Responses = list[tuple[list[int], list[float]]]
+
+
+def parse_hold(value: str | None) -> tuple[int, int]:
+    """:data:`HOLD_ENV`'s value -> (requests to hold, the token count they stop at); (0, 0) when unset."""
+    if not value:
+        return 0, 0
+    try:
+        requests, tokens = (int(part) for part in value.split("@"))
+    except ValueError:
+        raise ValueError(f"{HOLD_ENV}={value!r}: expected '<requests>@<tokens>', e.g. '4@2'") from None
+    if requests < 0 or tokens < 1:
+        raise ValueError(f"{HOLD_ENV}={value!r}: requests must be >= 0 and tokens >= 1")
+    return requests, tokens
 
 
 def server_actor_name(replica_rank: int) -> str:
@@ -87,7 +107,11 @@ class HFRolloutServer:
         self._occurrences: dict[tuple, int] = {}
         self._pending: list[tuple[tuple[list[int], dict, torch.Generator], asyncio.Future]] = []
         self._server_task: asyncio.Task | None = None
-        self.token_delay_s = float(os.environ.get(TOKEN_DELAY_ENV, "0") or 0)
+        # HOLD_ENV: requests still to be held under version 0, the token they stop at, and the held ones
+        # (future, response tokens, their log-probs, version), answered by the next abort
+        self.holds_left, self.hold_at_token = parse_hold(os.environ.get(HOLD_ENV))
+        self._to_hold: set[asyncio.Future] = set()
+        self._held: list[tuple[asyncio.Future, list[int], list[float], Any]] = []
         self.max_batch = int(config.max_num_seqs)  # requests per batched decode, as vLLM schedules at most these
         # The gate of verl's async trainers (vLLMHttpServer's submission gate): closed by abort_all_requests,
         # opened by resume_generation; _aborting cuts the running decode at its next token.
@@ -223,9 +247,11 @@ class HFRolloutServer:
         while self._pending and not self._aborting:
             batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
             version = self.global_steps  # weights change only after an abort has drained this loop
+            held = set()
             try:
                 for responses, active in self.decode([request for request, _ in batch]):
-                    await asyncio.sleep(self.token_delay_s)
+                    self._hold_at_their_token(batch, responses, active, version, held)
+                    await asyncio.sleep(0)  # the actor's other calls (an abort) run between two tokens
                     if self._aborting:
                         break
             except Exception as error:  # every waiting request gets the error, not a hang
@@ -234,10 +260,24 @@ class HFRolloutServer:
                         future.set_exception(error)
             else:
                 for (_, future), (tokens, log_probs), running in zip(batch, responses, active):
-                    if not future.done():
+                    if future in self._to_hold:  # it ended before its hold token: another request may be held
+                        self._to_hold.discard(future)
+                        self.holds_left += 1
+                    if not future.done() and future not in held:
                         future.set_result((tokens, log_probs, "aborted" if running else "completed", version))
                         self._cut += running
             await asyncio.sleep(0)  # let the answered requests return and new ones queue
+
+    def _hold_at_their_token(self, batch, responses: Responses, active: list[bool], version, held: set) -> None:
+        """:data:`HOLD_ENV`: each request marked to be held that is still decoding at its hold token keeps its
+        response so far for the next abort (the rest of its decode is discarded)."""
+        for (_, future), (tokens, log_probs), running in zip(batch, responses, active):
+            if running and future in self._to_hold and len(tokens) == self.hold_at_token:
+                self._to_hold.discard(future)
+                held.add(future)
+                self._held.append((future, list(tokens), list(log_probs), version))
+                logger.warning("hf rollout (%s): a response held at token %d until the next abort", HOLD_ENV,
+                               len(tokens))
 
     async def _admit(self) -> bool:
         """Wait while the gate is closed (vLLMHttpServer._park_until_admitted); False: rejected at once."""
@@ -257,6 +297,9 @@ class HFRolloutServer:
                                num_preempted=0, extra_fields={"global_steps": self.global_steps})
         prompt_ids = list(prompt_ids)
         future = asyncio.get_running_loop().create_future()
+        if self.holds_left > 0 and self.global_steps == 0:
+            self.holds_left -= 1
+            self._to_hold.add(future)
         # the generator is drawn at arrival, so a request's seed does not depend on the batch it joins
         self._pending.append(((prompt_ids, dict(sampling_params), self._generator(prompt_ids)), future))
         if self._server_task is None or self._server_task.done():
@@ -272,9 +315,10 @@ class HFRolloutServer:
 
     async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict[str, Any]:
         """Close the gate, answer the queued requests "aborted" with no tokens, cut the running decode at its
-        next token (its unfinished requests answer their partial responses, "aborted"), and return once it
-        has stopped, so that weights may change. With ``reject_request`` requests arriving behind the closed
-        gate are answered "aborted" at once instead of parking (vLLMHttpServer.abort_all_requests)."""
+        next token (its unfinished requests answer their partial responses, "aborted"; so do the held ones of
+        :data:`HOLD_ENV`), and return once it has stopped, so that weights may change. With ``reject_request``
+        requests arriving behind the closed gate are answered "aborted" at once instead of parking
+        (vLLMHttpServer.abort_all_requests)."""
         if not self._gate_closed:  # a new event on this loop (an Event binds to the loop it is awaited on)
             self._gate_open = asyncio.Event()
         self._gate_closed, self._rejecting = True, reject_request
@@ -285,8 +329,12 @@ class HFRolloutServer:
                 future.set_result(([], [], "aborted", self.global_steps))
         if self._server_task is not None and not self._server_task.done():
             await asyncio.wait({self._server_task})
+        held, self._held = self._held, []
+        for future, tokens, log_probs, version in held:
+            if not future.done():
+                future.set_result((tokens, log_probs, "aborted", version))
         self._aborting = False
-        return {"aborted_count": len(queued) + self._cut, "request_ids": []}
+        return {"aborted_count": len(queued) + self._cut + len(held), "request_ids": []}
 
     async def resume_generation(self) -> None:
         """Open the gate: parked requests are admitted (vLLMHttpServer.resume_generation)."""

@@ -3,20 +3,20 @@
 reproducible run to run: what is compared is each recorded batch against an independent recomputation, never
 two runs).
 
-Both runs (3 steps side by side, a checkpoint every step, verl's token-level importance weights on) are set up
-so that responses really cross a weight sync: the hf server is slowed per token, so weight syncs land
-mid-response, and verl's ``FullyAsyncLLMServerClient`` resumes the aborted responses under the next weights.
+Both runs (3 steps side by side, a checkpoint every step, verl's token-level importance weights on) cross
+weight syncs mid-response by construction, whatever the machine's pace: the hf server holds the first 4
+requests it receives under the initial weights at their 2nd token (:data:`amir_verl.cpu.hf_rollout.HOLD_ENV`),
+so step 1 trains on other groups (verl's warm-up batch puts 16 prompts in flight for 8 a step), the weight sync
+after step 1 cuts the held responses (its abort answers them), and verl's ``FullyAsyncLLMServerClient`` resumes
+them under the next weights. verl's dropless staleness control (``max_off_policy_strategy=wait``, threshold 2)
+makes step 2 wait for every prompt submitted in step 1 and take those first, so step 2 trains on the held groups:
+each run has spliced trajectories, which are also stale.
 
-- ``amir_colocate_async``: the server decodes at most ``rollout.max_num_seqs`` = 4 prompts' groups at a time
-  (a token per 0.1 s),
-  so when a step has its 8 prompts the warm-up prompts are mid-response; ``on_sample_end`` aborts them. The
-  run stops after step 2 and is started again, so its step 3 is a resumed one.
+- ``amir_colocate_async``: the abort is ``on_sample_end``'s. The run stops after step 2 and is started again, so
+  its step 3 is a resumed one.
 - ``amir_separate_async``: a standalone rollout replica (its weights through the checkpoint engine
   ``cpu_object_store``) keeps generating while the trainer trains; 2 local updates of 4 prompts per step, the
-  second with verl's pi_old restore. The replica decodes a token per second, all waiting requests in one
-  batch: the 8 prompts submitted at step 2's start take longer to generate than step 2 takes to train on the
-  8 prompts left over from step 1's batch (warm-up included), so step 2's weight sync cuts them, and step 3
-  trains on them.
+  second with verl's pi_old restore; the abort is the weight sync's (``CheckpointEngineManager.update_weights``).
 
 The probe (:mod:`tests.e2e.probe`) records every ``_compute_advantage`` and actor update. For each local update
 of step k, with the model of checkpoint ``global_step_{k-1}`` (step 1: the initial model):
@@ -53,7 +53,12 @@ REPO = Path(__file__).resolve().parents[2]
 BETA, DELTA = 0.5, 0.05  # delta below the toy reward's 0.1 for a wrong digit: pairs from step 1 on
 STEPS, GROUP = 3, 8
 RESUMED_AFTER = 2  # the colocate_async run stops after this step and is started again
-TOKEN_DELAY_S = {"colocate_async": "0.1", "separate_async": "1.0"}
+HOLD = "4@2"  # HOLD_ENV: 4 requests under the initial weights, each at its 2nd token
+# verl's dropless staleness control: a step waits for every prompt submitted a step or more before it
+STALENESS = ["trainer.v1.sampler.max_off_policy_strategy=wait", "trainer.v1.sampler.max_off_policy_threshold=2"]
+# verl's default warm-up (one batch), stated: a step's prompts in flight beyond the step's, so held groups never
+# keep step 1 waiting
+WARMUP_BATCHES = 1
 # mode -> (prompts per local update, local updates per step)
 LAYOUT = {"colocate_async": (8, 1), "separate_async": (4, 2)}
 
@@ -66,19 +71,16 @@ def assets(tmp_path_factory):
 
 
 def async_command(assets, workdir: Path, mode: str):
-    from amir_verl.cpu.hf_rollout import TOKEN_DELAY_ENV
+    from amir_verl.cpu.hf_rollout import HOLD_ENV
     from amir_verl.cpu.quickstart import amir_overrides
     from tests.e2e.test_main_ppo_cpu import train_command
 
-    schedule = {  # see the module docstring
-        "colocate_async": ["actor_rollout_ref.rollout.max_num_seqs=32", "trainer.v1.colocate_async.num_warmup_batches=1"],
-        "separate_async": [],
-    }[mode]
     command = train_command(assets, workdir, STEPS, amir_overrides(
         "amir_grpo", trainer_mode=f"amir_{mode}", beta_dpo=BETA, delta_r=DELTA) + [
-        "data.max_response_length=8", "algorithm.rollout_correction.rollout_is=token"] + schedule,
+        "data.max_response_length=8", "algorithm.rollout_correction.rollout_is=token",
+        f"trainer.v1.{mode}.num_warmup_batches={WARMUP_BATCHES}"] + STALENESS,
         save_freq=1, schedule=mode, local_updates=LAYOUT[mode][1])
-    command.env[TOKEN_DELAY_ENV] = TOKEN_DELAY_S[mode]
+    command.env[HOLD_ENV] = HOLD
     return probed(command, workdir, REPO)
 
 
@@ -252,8 +254,9 @@ def test_amir_matches_brute_force_on_recorded_batches_that_crossed_weight_syncs(
         # local updates j >= 1 of separate_async start from the weights after update j - 1: no checkpoint holds them
         counts = check_update(record, actor, policies, step, prompts, exact_gradient=j == 0)
         spliced, stale = spliced + counts[0], stale + counts[1]
-    print(f"{mode}: spliced trajectories {spliced}, stale ones {stale}")
-    assert spliced > 0 and stale > 0
+    held = (workdir / "main_ppo.log").read_text().count("held at token")
+    print(f"{mode}: held responses {held}, spliced trajectories {spliced}, stale ones {stale}")
+    assert held > 0 and spliced > 0 and stale > 0
     for step in range(1, STEPS + 1):
         calls = [records[step, j][0] for j in range(local_updates)]
         for key in ("amir/num_pairs", "amir/pref_loss", "amir/lambda"):  # verl's MetricsAggregator: the mean
@@ -266,15 +269,17 @@ def test_amir_matches_brute_force_on_recorded_batches_that_crossed_weight_syncs(
 @pytest.mark.e2e
 def test_an_async_run_resumes_with_verls_restored_prompts_and_the_lambda_controller(async_runs):
     """The colocate_async run, stopped after step 2 and started again: verl restores its TransferQueue (the
-    finished groups and the in-flight prompts it saved, which it re-issues) and AMIR its controller; the
-    resumed step passed the brute-force checks above against the checkpoints."""
+    prompt groups submitted and not yet trained on: the warm-up batch's worth, finished ones and in-flight ones,
+    which it re-issues; how many are which depends on the pace, so only their total is asserted) and AMIR its
+    controller; the resumed step passed the brute-force checks above against the checkpoints."""
     import json
     import re
 
     workdir, _, _ = async_runs["colocate_async"]
     log = (workdir / "main_ppo.log").read_text()
     restored = re.search(r"Restored (\d+) training prompt groups from TransferQueue", log)
-    assert restored and int(restored.group(1)) > 0
+    prompts, local_updates = LAYOUT["colocate_async"]
+    assert restored and int(restored.group(1)) == WARMUP_BATCHES * prompts * local_updates
     reissued = re.search(r"Re-issued (\d+) in-flight prompts", log)
     print(f"restored {restored.group(1)} prompt groups, re-issued {reissued.group(1) if reissued else 0} prompts")
     states = [json.loads((workdir / "checkpoints" / f"global_step_{step}" / "amir_state.json").read_text())

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from amir_verl.cpu.launch import (
+    GRACE_S,
     LoggedCommand,
     main_ppo_command,
     parse_step_metrics,
@@ -293,11 +294,24 @@ def test_quickstart_ctrl_c_stops_promptly_leaves_nothing_running_and_says_where_
     proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends the quickstart (main_ppo has its own session)
     start = time.monotonic()
     out, err = proc.communicate(timeout=120)
-    assert time.monotonic() - start < 30
+    # bounded by the launcher, not by the machine's pace: SIGTERM, then SIGKILL after GRACE_S
+    assert time.monotonic() - start < 2 * GRACE_S + 20
     assert proc.returncode == 130
     assert "Traceback" not in out + err
     assert "interrupted during grpo at step " in err and str(workdir) in err
     assert 1 in read_jsonl(workdir / "grpo" / "metrics.jsonl")  # the partial results are where it says
-    time.sleep(2)
-    alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert alive == []
+    assert still_running(started, within_s=30) == []  # killed processes vanish once the kernel has reaped them
+
+
+def still_running(processes: list[psutil.Process], within_s: float) -> list[psutil.Process]:
+    """Those of ``processes`` that are still running (not gone, not a zombie) after waiting up to ``within_s``."""
+    def running(process: psutil.Process) -> bool:
+        try:
+            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + within_s
+    while (alive := [p for p in processes if running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
