@@ -25,8 +25,9 @@ setup(
         "gguf>=0.10",  # amir_verl.models: transformers reads GGUF checkpoints with it (SmolLM2 for the CPU pipeline)
     ],
     extras_require={
-        # GPU users: vllm (and the torch it pins) through verl's own extra.
-        "gpu": ["verl[vllm]==0.9.1"],
+        # GPU users: verl's own GPU install for its default FSDP config: vllm (and the torch it pins) and the
+        # fsdp extra's flash-attn, which verl's default attn_implementation=flash_attention_2 loads with.
+        "gpu": ["verl[vllm,fsdp]==0.9.1"],
         "test": ["pytest>=8", "pytest-asyncio", "hypothesis>=6"],
     },
     entry_points={

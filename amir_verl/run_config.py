@@ -8,6 +8,9 @@ the AMIR trainers' ``__init__`` (for code that builds a trainer without ``main_p
 from __future__ import annotations
 
 import functools
+import importlib.util
+import logging
+import warnings
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -34,6 +37,85 @@ AMIR_TRAINER_MODE = "amir"  # the synchronous one, which messages name first
 AMIR_TRAINER_MODES = {AMIR_TRAINER_MODE: "sync", "amir_colocate_async": "colocate_async",
                       "amir_separate_async": "separate_async"}
 AMIR_TRAINER_MODE_KEY = "trainer.v1.trainer_mode"
+
+
+logger = logging.getLogger(__name__)
+
+# attn_implementation -> the package transformers needs to load a model with it (its import name, the install)
+ATTENTION_PACKAGES = {
+    "flash_attention_2": ("flash_attn", 'pip install -e ".[gpu]", whose verl[fsdp] pins flash-attn 2.8.3'),
+    "flash_attention_3": ("flash_attn_interface", "build FlashAttention 3 from the flash-attention repository's hopper/"),
+}
+# verl 0.9.1's default (HFModelConfig.__post_init__: override_config.get("attn_implementation", "flash_attention_2"))
+VERL_DEFAULT_ATTENTION = "flash_attention_2"
+LORA_SYNC_ISSUE = "verl issue 7495: https://github.com/verl-project/verl/issues/7495"
+
+
+def check_attention_loads(config: DictConfig) -> None:
+    """Refuse, on the driver, a run whose FSDP models ask for an attention implementation whose package is not
+    installed: verl builds every model config with ``override_config.attn_implementation``, flash_attention_2 by
+    default, and transformers refuses to load the model without flash-attn, in each worker, deep inside Ray.
+    The package is looked for here, where the driver runs; verl's workers run in the same environment."""
+    from verl.trainer.ppo.utils import need_critic  # imports the trainer stack: not at plugin load
+
+    models = {"actor_rollout_ref.model": "actor_rollout_ref.actor.strategy"}  # model key -> its engine's strategy
+    with warnings.catch_warnings():  # need_critic warns about a critic it disables; verl says so itself later
+        warnings.simplefilter("ignore")
+        if need_critic(config):
+            models["critic.model"] = "critic.strategy"
+    for key, strategy_key in models.items():
+        if OmegaConf.select(config, strategy_key, default="fsdp") not in ("fsdp", "fsdp2"):
+            continue  # other engines choose attention themselves
+        override = OmegaConf.select(config, f"{key}.override_config", default=None) or {}
+        attention = override.get("attn_implementation", VERL_DEFAULT_ATTENTION)
+        if attention not in ATTENTION_PACKAGES:
+            continue
+        package, install = ATTENTION_PACKAGES[attention]
+        if importlib.util.find_spec(package) is None:
+            default = " (verl's default)" if "attn_implementation" not in override else ""
+            raise ValueError(
+                f"{key} loads with attn_implementation={attention}{default}, but the {package} package is not "
+                f"installed, so every worker would fail loading the model: install it ({install}), or run with "
+                f"PyTorch's attention: +{key}.override_config.attn_implementation=sdpa"
+            )
+
+
+def lora_sync_without_adapter(config: DictConfig) -> str | None:
+    """Why verl 0.9.1 would roll out the base model of this LoRA run, or None.
+
+    With a checkpoint engine other than ``naive``, ``ActorRolloutRefWorker.update_weights`` calls the FSDP
+    engine's ``get_per_tensor_param()`` with its defaults and drops the ``peft_config`` it returns; with
+    ``lora.merge=False`` those are the base weights only (the adapter never reaches the rollout). Both
+    functions are pinned in tests/test_verl_seams.py."""
+    model = config.actor_rollout_ref.model
+    rank = model.get("lora_rank", 0) or 0
+    merge = bool((model.get("lora") or {}).get("merge", False))
+    backend = OmegaConf.select(config, "actor_rollout_ref.rollout.checkpoint_engine.backend", default="naive")
+    strategy = OmegaConf.select(config, "actor_rollout_ref.actor.strategy", default="fsdp")
+    if rank > 0 and not merge and backend != "naive" and strategy in ("fsdp", "fsdp2"):
+        return (f"actor_rollout_ref.model.lora_rank={rank} with actor_rollout_ref.model.lora.merge=False under "
+                f"actor_rollout_ref.rollout.checkpoint_engine.backend={backend}: verl 0.9.1 syncs such a rollout "
+                f"with the base weights only, never the adapter ({LORA_SYNC_ISSUE}), so it would generate with the "
+                "base model while the actor trains the adapter; set actor_rollout_ref.model.lora.merge=True (the "
+                "adapter is merged into the weights each sync)")
+    return None
+
+
+def check_any_run(config: DictConfig) -> None:
+    """What stops any verl run on the driver with the plugin installed, AMIR or not: an attention
+    implementation that cannot load; a LoRA rollout that would never see its adapter is an error for AMIR
+    runs (:func:`validate_amir_run`) and a warning for others."""
+    check_attention_loads(config)
+    reason = lora_sync_without_adapter(config)
+    if reason is not None and not asks_for_amir(config):
+        logger.warning("amir-verl: %s", reason)
+
+
+def asks_for_amir(config: DictConfig) -> bool:
+    """Whether the run sets an AMIR loss mode or an AMIR trainer mode."""
+    loss_mode = config.actor_rollout_ref.actor.policy_loss.get("loss_mode", "vanilla")
+    trainer_mode = OmegaConf.select(config, AMIR_TRAINER_MODE_KEY, default="sync")
+    return loss_mode in AMIR_LOSS_MODES or trainer_mode in AMIR_TRAINER_MODES
 
 
 def base_parameter_sync_step(config: DictConfig, base_mode: str) -> int:
@@ -107,6 +189,9 @@ def validate_amir_run(config: DictConfig) -> AmirConfig:
             "FSDP engine reads actor_rollout_ref.model.lora_rank (0 here), so this run would train full weights: "
             f"set actor_rollout_ref.model.lora_rank={megatron_lora_rank} (as the paper recipes do)"
         )
+    lora_reason = lora_sync_without_adapter(config)
+    if lora_reason is not None:
+        raise ValueError(lora_reason)
     distillation = config.get("distillation")
     if distillation is not None and distillation.get("enabled", False):
         raise ValueError("AMIR does not combine with on-policy distillation: set distillation.enabled=False")
@@ -132,7 +217,7 @@ def check_amir_run(config: DictConfig) -> None:
     loss_mode = config.actor_rollout_ref.actor.policy_loss.get("loss_mode", "vanilla")
     trainer = config.get("trainer", {})
     trainer_mode = trainer.get("v1", {}).get("trainer_mode", "sync")
-    if loss_mode not in AMIR_LOSS_MODES and trainer_mode not in AMIR_TRAINER_MODES:
+    if not asks_for_amir(config):
         return
     if loss_mode in AMIR_LOSS_MODES and not trainer.get("use_v1", True):
         raise ValueError(f"{LOSS_MODE_KEY}={loss_mode} needs verl's V1 trainer: set trainer.use_v1=True")
@@ -149,7 +234,8 @@ def check_amir_run(config: DictConfig) -> None:
 
 
 def install_early_config_check() -> None:
-    """Wrap ``verl.utils.config.validate_config`` so that it also runs :func:`check_amir_run`.
+    """Wrap ``verl.utils.config.validate_config`` so that it also runs :func:`check_any_run` and
+    :func:`check_amir_run`.
 
     ``verl.trainer.main_ppo.main`` calls it on the driver before ``ray.init``; ``main_ppo`` binds the
     name at import, after ``import verl`` has loaded this plugin, so it gets the wrapper. Guarded by
@@ -164,6 +250,7 @@ def install_early_config_check() -> None:
     @functools.wraps(upstream)
     def validate_config(config, *args, **kwargs):
         result = upstream(config, *args, **kwargs)
+        check_any_run(config)
         check_amir_run(config)
         return result
 

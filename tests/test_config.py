@@ -128,7 +128,8 @@ def test_verl_validate_config_accepts_the_amir_loss_modes():
                     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
                     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2", "trainer.n_gpus_per_node=1",
                     "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-                    "actor_rollout_ref.rollout.n=2"]
+                    "actor_rollout_ref.rollout.n=2",
+                    "+actor_rollout_ref.model.override_config.attn_implementation=sdpa"]  # no flash-attn here
         )
         validate_config(config=config, use_reference_policy=True, use_critic=False)
 
@@ -202,3 +203,67 @@ def test_bypass_mode_is_refused_under_every_amir_trainer(mode):
                                   "algorithm.rollout_correction.bypass_mode=True"])
     with pytest.raises(ValueError, match=r"bypass_mode=True"):
         check_amir_run(config)
+
+
+# ---- what stops any run on the driver (run_config.check_any_run) ----------------------------------------------
+
+def installed_only(monkeypatch, *present: str) -> None:
+    """importlib's package lookup as run_config sees it: only ``present`` of the attention packages exist."""
+    import importlib.util
+
+    from amir_verl import run_config
+
+    find_spec = importlib.util.find_spec
+    packages = {package for package, _ in run_config.ATTENTION_PACKAGES.values()}
+    monkeypatch.setattr(run_config.importlib.util, "find_spec",
+                        lambda name, *a: (object() if name in present else None) if name in packages else find_spec(name, *a))
+
+
+def test_an_attention_implementation_that_cannot_load_stops_the_run_naming_the_override(monkeypatch):
+    import importlib.util
+
+    from amir_verl.run_config import check_any_run
+
+    assert importlib.util.find_spec("flash_attn") is None  # this machine: verl's default cannot load here
+    for config in (compose_verl(GRPO), compose_verl(GRPO + AMIR)):  # any run, AMIR or not
+        with pytest.raises(ValueError, match=r"attn_implementation=flash_attention_2 \(verl's default\), but the "
+                                             r"flash_attn package is not installed.*pip install -e \"\.\[gpu\]\".*"
+                                             r"\+actor_rollout_ref\.model\.override_config\.attn_implementation=sdpa"):
+            check_any_run(config)
+    check_any_run(compose_verl(GRPO + ["+actor_rollout_ref.model.override_config.attn_implementation=sdpa"]))
+    check_any_run(compose_verl(GRPO + ["actor_rollout_ref.actor.strategy=megatron"]))  # its engine chooses
+    with pytest.raises(ValueError, match=r"flash_attention_3, but the flash_attn_interface package"):
+        check_any_run(compose_verl(GRPO + ["+actor_rollout_ref.model.override_config.attn_implementation="
+                                           "flash_attention_3"]))
+    installed_only(monkeypatch, "flash_attn")
+    check_any_run(compose_verl(GRPO))  # flash-attn installed: verl's default loads
+    ppo = compose_verl(["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.name=vllm",
+                        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa"])
+    installed_only(monkeypatch)
+    with pytest.raises(ValueError, match=r"^critic\.model loads with"):  # PPO's critic is a model too
+        check_any_run(ppo)
+
+
+LORA_THROUGH_ENGINE = ["+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+                       "actor_rollout_ref.model.lora_rank=16", "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"]
+
+
+@pytest.mark.parametrize("mode", ["amir", "amir_colocate_async", "amir_separate_async"])
+def test_an_unmerged_lora_synced_through_a_checkpoint_engine_is_refused_under_amir(mode):
+    """verl 0.9.1 drops the adapter on that path (issue 7495): the rollout would sample the base model."""
+    from amir_verl.run_config import check_amir_run
+
+    amir = [AMIR[0], f"trainer.v1.trainer_mode={mode}", "actor_rollout_ref.actor.use_kl_loss=True"]
+    with pytest.raises(ValueError, match=r"lora\.merge=False under actor_rollout_ref\.rollout\.checkpoint_engine\."
+                                         r"backend=nccl.*verl issue 7495.*set actor_rollout_ref\.model\.lora\.merge=True"):
+        check_amir_run(compose_verl(GRPO + amir + LORA_THROUGH_ENGINE))
+    check_amir_run(compose_verl(GRPO + amir + LORA_THROUGH_ENGINE + ["actor_rollout_ref.model.lora.merge=True"]))
+    check_amir_run(compose_verl(GRPO + amir + LORA_THROUGH_ENGINE[:2]))  # the naive hand-over sends the adapter
+
+
+def test_verls_own_run_with_that_lora_sync_gets_a_warning_naming_the_issue(caplog):
+    from amir_verl.run_config import check_any_run
+
+    with caplog.at_level("WARNING", logger="amir_verl.run_config"):
+        check_any_run(compose_verl(GRPO + ["trainer.v1.trainer_mode=separate_async"] + LORA_THROUGH_ENGINE))
+    assert "verl issue 7495" in caplog.text

@@ -18,6 +18,8 @@ from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.dataset import rl_dataset
 from verl.workers import engine_workers
+from verl.workers.config.model import HFModelConfig
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 from verl.workers.utils import losses
 from verl.workers.utils.padding import no_padding_2_padding
 
@@ -69,6 +71,16 @@ SEAMS = {
     "validate_config": (getattr(verl_config.validate_config, "__wrapped__", verl_config.validate_config), "ab4096deecfec745",
                         "wrapped: main_ppo's driver-side check, which AMIR extends"),
     "main_ppo.main": (main_ppo.main, "eb706c4f6622ed04", "calls validate_config before run_ppo (ray.init)"),
+    "HFModelConfig.__post_init__": (HFModelConfig.__post_init__, "a18620cfff22adeb",
+                                    "override_config.attn_implementation, default flash_attention_2, is what every "
+                                    "FSDP model loads with (run_config.check_attention_loads)"),
+    "ActorRolloutRefWorker.update_weights": (
+        engine_workers.ActorRolloutRefWorker.update_weights, "ea8f2ec1eb8a4481",
+        "a non-naive checkpoint engine gets get_per_tensor_param()'s weights and not its peft_config: no adapter "
+        "reaches the rollout (verl issue 7495; run_config.lora_sync_without_adapter)"),
+    "FSDPEngine.get_per_tensor_param": (FSDPEngine.get_per_tensor_param, "30802c73cfcc5ba2",
+                                        "with LoRA unmerged and base_sync_done=False it returns the base weights only "
+                                        "(run_config.lora_sync_without_adapter)"),
 }
 
 

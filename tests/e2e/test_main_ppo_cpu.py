@@ -205,8 +205,16 @@ def test_two_ranks_two_mini_batches_and_micro_batches_report_the_brute_force_pre
         (["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "trainer.v1.trainer_mode=amir",
           "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.model.lora.rank=16"],
          r"set actor_rollout_ref\.model\.lora_rank=16"),
+        # a stock GRPO run with verl's default attention, which this machine (no flash-attn) cannot load
+        (["actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2"],
+         r"not installed.*\+actor_rollout_ref\.model\.override_config\.attn_implementation=sdpa"),
+        (["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "trainer.v1.trainer_mode=amir",
+          "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.model.lora_rank=8",
+          "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_object_store"],
+         r"verl issue 7495.*lora\.merge=True"),
     ],
-    ids=["unknown-key", "missing-reference", "missing-trainer-mode", "megatron-lora-key-on-fsdp"],
+    ids=["unknown-key", "missing-reference", "missing-trainer-mode", "megatron-lora-key-on-fsdp",
+         "flash-attention-missing", "lora-unmerged-through-checkpoint-engine"],
 )
 def test_bad_amir_config_fails_before_training_naming_the_fix(assets, tmp_path, extra, message):
     with pytest.raises(RuntimeError) as failure:
