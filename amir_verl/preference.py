@@ -25,6 +25,13 @@ import torch.nn.functional as F
 PAIR_MODES = ("all", "best_vs_rest")
 
 
+def at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """The dtype AMIR computes in for inputs of ``dtype``: float32 for bf16/fp16 (or integer) inputs, the
+    input's own dtype when it is float32 or wider. A length-normalised sum over thousands of bf16 log-probs
+    would keep about 3 significant digits; float32 and float64 inputs are computed exactly as before."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 @dataclass(frozen=True)
 class PreferencePairs:
     """Mined pairs, all of shape (P,): ``preferred[p]`` beats ``rejected[p]`` inside group ``group[p]``.
@@ -111,7 +118,8 @@ def mine_preference_pairs(
     present = table_index >= 0
     safe_index = table_index.clamp(min=0)
     table_ok = present & eligible[safe_index]
-    table_reward = torch.where(table_ok, rewards.to(torch.float64)[safe_index], torch.zeros((), dtype=torch.float64))
+    table_reward = torch.where(table_ok, rewards.to(torch.float64)[safe_index],
+                               torch.zeros((), dtype=torch.float64, device=device))
 
     gap = table_reward.unsqueeze(2) - table_reward.unsqueeze(1)  # (groups, width, width): r_i - r_j
     qualifies = (gap > delta_r) & table_ok.unsqueeze(2) & table_ok.unsqueeze(1)
@@ -146,9 +154,11 @@ def length_normalised_log_probs(token_log_probs: torch.Tensor, response_mask: to
         response_mask: (N, T) 1 for response tokens, 0 for padding.
 
     Returns:
-        (N,) the mean log-probability per sequence; 0 for an empty response (mask all zero), which
-        callers exclude from pairs since it has no token to push.
+        (N,) the mean log-probability per sequence, in float32 or the inputs' wider dtype
+        (:func:`at_least_float32`); 0 for an empty response (mask all zero), which callers exclude from
+        pairs since it has no token to push.
     """
+    token_log_probs = token_log_probs.to(at_least_float32(token_log_probs.dtype))
     mask = response_mask.to(token_log_probs.dtype)
     lengths = mask.sum(dim=-1)
     return (token_log_probs * mask).sum(dim=-1) / lengths.clamp(min=1)
@@ -163,14 +173,16 @@ def dpo_logits(
     """z = beta * [(l_theta(i) - l_ref(i)) - (l_theta(j) - l_ref(j))], shape (P,).
 
     ``policy_seq_logp`` and ``ref_seq_logp`` are (N,); pass zeros as ``ref_seq_logp`` for the
-    reference-free variant (l_ref = 0).
+    reference-free variant (l_ref = 0). Computed in float32 or the inputs' wider dtype.
     """
-    score = policy_seq_logp - ref_seq_logp
+    dtype = at_least_float32(torch.promote_types(policy_seq_logp.dtype, ref_seq_logp.dtype))
+    score = policy_seq_logp.to(dtype) - ref_seq_logp.to(dtype)
     return beta * (score[pairs.preferred] - score[pairs.rejected])
 
 
 def preference_objective(logits: torch.Tensor) -> torch.Tensor:
-    """J_pref = mean_p log sigmoid(z_p); exactly 0 (never NaN) when there is no pair. Shape ()."""
+    """J_pref = mean_p log sigmoid(z_p); exactly 0 (never NaN) when there is no pair. Shape (), float32 or wider."""
+    logits = logits.to(at_least_float32(logits.dtype))
     if logits.numel() == 0:
         return logits.new_zeros(())
     return F.logsigmoid(logits).mean()
@@ -187,8 +199,10 @@ def partner_table(
     Returns:
         partner_score: (N, W) float, W = the largest number of pairs a sequence belongs to (0 if none).
         partner_sign: (N, W) float in {+1, -1, 0}; 0 marks an unused slot.
+        Both on ``frozen_score``'s device, in its dtype or float32 when it is narrower.
     """
     device = frozen_score.device
+    frozen_score = frozen_score.to(at_least_float32(frozen_score.dtype))
     owner = torch.cat([pairs.preferred, pairs.rejected])
     partner = torch.cat([pairs.rejected, pairs.preferred])
     sign = torch.cat(
@@ -228,12 +242,18 @@ def pair_log_likelihood_per_sequence(
         partner_sign: (M, W) +1 where k is preferred, -1 where k is rejected, 0 for unused slots.
 
     Returns:
-        (M,) f_k. On-policy (l_theta == l_old) the sum over all k of f_k is twice the sum of
-        log sigmoid(z) over the pairs, and the sum of the gradients of f_k is exactly the gradient of
-        that pair sum: each pair's derivative splits into the part through i and the part through j.
+        (M,) f_k, in float32 or the inputs' wider dtype. On-policy (l_theta == l_old) the sum over all k
+        of f_k is twice the sum of log sigmoid(z) over the pairs, and the sum of the gradients of f_k is
+        exactly the gradient of that pair sum: each pair's derivative splits into the part through i and
+        the part through j.
     """
-    own = (policy_seq_logp - ref_seq_logp).unsqueeze(-1)
-    logits = beta * partner_sign * (own - partner_score)
+    dtype = policy_seq_logp.dtype
+    for other in (ref_seq_logp, partner_score, partner_sign):
+        dtype = torch.promote_types(dtype, other.dtype)
+    dtype = at_least_float32(dtype)
+    own = (policy_seq_logp.to(dtype) - ref_seq_logp.to(dtype)).unsqueeze(-1)
+    partner_sign = partner_sign.to(dtype)
+    logits = beta * partner_sign * (own - partner_score.to(dtype))
     return (F.logsigmoid(logits) * partner_sign.abs()).sum(dim=-1)
 
 

@@ -61,8 +61,8 @@ class StepFields:
         return self.stats.num_pairs
 
 
-def session_final_mask(keys: Sequence[str]) -> torch.Tensor:
-    """(N,) bool: True for the last output of each agent-loop session.
+def session_final_mask(keys: Sequence[str], device: torch.device | str | None = None) -> torch.Tensor:
+    """(N,) bool on ``device`` (default: the CPU): True for the last output of each agent-loop session.
 
     verl 0.9.1 names samples ``{uid}_{session_id}_{index}`` and its GRPO advantage uses only each
     session's final output (``compute_advantage_for_multi_trajectories``); AMIR mines pairs among the
@@ -70,7 +70,7 @@ def session_final_mask(keys: Sequence[str]) -> torch.Tensor:
     """
     keys_arr = np.asarray(keys, dtype=np.str_)
     if keys_arr.size and bool(np.char.endswith(keys_arr, "_0").all()) and bool(np.char.count(keys_arr, "_").min() >= 2):
-        return torch.ones(len(keys), dtype=torch.bool)  # one output per session: all final (the usual case)
+        return torch.ones(len(keys), dtype=torch.bool, device=device)  # one output per session: all final (usual)
     last: dict[str, tuple[int, int]] = {}
     for row, key in enumerate(keys):
         parts = key.rsplit("_", 2)
@@ -79,8 +79,8 @@ def session_final_mask(keys: Sequence[str]) -> torch.Tensor:
         session, index = f"{parts[0]}_{parts[1]}", int(parts[2])
         if session not in last or last[session][0] < index:
             last[session] = (index, row)
-    mask = torch.zeros(len(keys), dtype=torch.bool)
-    mask[[row for _, row in last.values()]] = True
+    mask = torch.zeros(len(keys), dtype=torch.bool, device=device)
+    mask[torch.tensor([row for _, row in last.values()], dtype=torch.long, device=device)] = True
     return mask
 
 
@@ -106,6 +106,10 @@ def compute_step_fields(
         sample_keys: N verl sample keys, used for a layout-independent order inside each group and
             to keep only each session's final output; None treats every sample as final.
         is_padding: N flags of verl's filler samples, which never enter a pair.
+
+    The tensors share one device (the driver's CPU in verl, or an accelerator); every tensor made here is
+    made on ``old_log_probs``' device. The fields are float64 whatever the inputs' dtype (bf16 included):
+    the driver computes the scores and statistics in double, the trainer ships them to the actor as float32.
     """
     n = len(uids)
     if sequence_rewards.shape != (n,) or response_mask.shape[0] != n or old_log_probs.shape != response_mask.shape:
@@ -131,11 +135,13 @@ def compute_step_fields(
         check_finite("ref_log_prob (response tokens)", ref_log_probs[mask])
         l_ref = length_normalised_log_probs(ref_log_probs.double(), mask)
 
+    device = old_log_probs.device
     eligible = mask.any(dim=-1)
-    padding = torch.zeros(n, dtype=torch.bool) if is_padding is None else torch.as_tensor(list(is_padding), dtype=torch.bool)
+    padding = (torch.zeros(n, dtype=torch.bool, device=device) if is_padding is None
+               else torch.as_tensor(list(is_padding), dtype=torch.bool, device=device))
     eligible &= ~padding
     if sample_keys is not None:
-        eligible &= session_final_mask(sample_keys)
+        eligible &= session_final_mask(sample_keys, device=device)
 
     # Canonical order (uid, key) inside each group: tie-breaks then do not depend on how verl
     # happened to order the batch (completion order, balancing). numpy sorts the strings in C.
@@ -144,8 +150,8 @@ def compute_step_fields(
         canonical = np.lexsort((np.asarray(sample_keys, dtype=np.str_), group_of_sample))
     else:
         canonical = np.argsort(group_of_sample, kind="stable")
-    perm = torch.from_numpy(canonical)
-    group_ids = torch.from_numpy(group_of_sample.astype(np.int64))
+    perm = torch.as_tensor(canonical, dtype=torch.long, device=device)
+    group_ids = torch.as_tensor(group_of_sample.astype(np.int64), device=device)
     pairs = mine_preference_pairs(
         sequence_rewards[perm],
         group_ids[perm],
@@ -157,12 +163,12 @@ def compute_step_fields(
     pairs = PreferencePairs(preferred=perm[pairs.preferred], rejected=perm[pairs.rejected], group=pairs.group)
 
     logits = dpo_logits(l_old, l_ref, pairs, config.beta_dpo)
-    num_groups = int(np.unique(group_of_sample[~padding.numpy()]).size)
+    num_groups = int(np.unique(group_of_sample[~padding.cpu().numpy()]).size)
     stats = summarise_preference_pairs(pairs, logits, l_old, num_groups)
     partner_score, partner_sign = partner_table(pairs, n, l_old - l_ref)
     if partner_score.shape[1] == 0:  # keep one (unused) column: a zero-width field is a needless corner case
-        partner_score = torch.zeros(n, 1, dtype=l_old.dtype)
-        partner_sign = torch.zeros(n, 1, dtype=l_old.dtype)
+        partner_score = torch.zeros(n, 1, dtype=l_old.dtype, device=device)
+        partner_sign = torch.zeros(n, 1, dtype=l_old.dtype, device=device)
     return StepFields(l_old, l_ref, partner_score, partner_sign, stats)
 
 
