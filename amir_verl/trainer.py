@@ -48,9 +48,14 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 from verl.utils.config import omega_conf_to_dataclass
 
+from amir_verl import metrics as metric_names
 from amir_verl.actor_loss import amir_ppo_loss, base_actor_config
 from amir_verl.lambda_control import LambdaController
 from amir_verl.run_config import (
+    AMIR_COLOCATE_ASYNC_MODE,
+    AMIR_SEPARATE_ASYNC_MODE,
+    AMIR_TRAINER_MODE,
+    AMIR_TRAINER_MODES,
     SPLIT_INVARIANT_BASE_MODES,
     base_parameter_sync_step,
     resolve_base_loss_mode,
@@ -157,11 +162,11 @@ def read_amir_state(folder: str, controller: LambdaController) -> bool:
 def lambda_metrics(signal, lambda_reg: float) -> dict[str, float]:
     """``amir/*`` of the controller, all at the lambda this step's update uses."""
     return {
-        "amir/lambda": lambda_reg,
-        "amir/grad_share": signal.grad_share(lambda_reg),
-        "amir/pg_grad_norm": signal.pg_grad_norm,
-        "amir/pref_grad_norm": lambda_reg * signal.pref_grad_norm_per_lambda,
-        "amir/loss_ratio": signal.loss_ratio(lambda_reg),
+        metric_names.LAMBDA: lambda_reg,
+        metric_names.GRAD_SHARE: signal.grad_share(lambda_reg),
+        metric_names.PG_GRAD_NORM: signal.pg_grad_norm,
+        metric_names.PREF_GRAD_NORM: lambda_reg * signal.pref_grad_norm_per_lambda,
+        metric_names.LOSS_RATIO: signal.loss_ratio(lambda_reg),
     }
 
 
@@ -173,7 +178,11 @@ class AmirTrainerMixin:
     """
 
     AMIR_MODE: str
-    BASE_MODE: str
+    BASE_MODE: str  # set from the mode table (run_config.AMIR_TRAINER_MODES) for each subclass
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.BASE_MODE = AMIR_TRAINER_MODES[cls.AMIR_MODE]
 
     def __init__(self, config: DictConfig):
         self.amir, self.base_actor_config = run_base_actor_config(config)
@@ -314,23 +323,22 @@ class AmirTrainerMixin:
 
 
 
-@register_trainer("amir")
+@register_trainer(AMIR_TRAINER_MODE)
 class AmirPPOTrainer(AmirTrainerMixin, PPOTrainerSync):
     """verl's synchronous V1 trainer plus AMIR's preference term."""
 
-    AMIR_MODE, BASE_MODE = "amir", "sync"
+    AMIR_MODE = AMIR_TRAINER_MODE
 
 
-@register_trainer("amir_colocate_async")
+@register_trainer(AMIR_COLOCATE_ASYNC_MODE)
 class AmirColocateAsyncTrainer(AmirTrainerMixin, PPOTrainerColocateAsync):
     """verl's colocated asynchronous V1 trainer plus AMIR's preference term."""
 
-    AMIR_MODE, BASE_MODE = "amir_colocate_async", "colocate_async"
+    AMIR_MODE = AMIR_COLOCATE_ASYNC_MODE
 
 
-@register_trainer("amir_separate_async")
+@register_trainer(AMIR_SEPARATE_ASYNC_MODE)
 class AmirSeparateAsyncTrainer(AmirTrainerMixin, PPOTrainerSeparateAsync):
     """verl's separated asynchronous V1 trainer (decoupled PPO) plus AMIR's preference term."""
 
-    AMIR_MODE, BASE_MODE = "amir_separate_async", "separate_async"
-
+    AMIR_MODE = AMIR_SEPARATE_ASYNC_MODE
