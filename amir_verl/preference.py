@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from amir_verl import metrics
+
 PAIR_MODES = ("all", "best_vs_rest")
 
 
@@ -279,8 +281,9 @@ class PreferenceStats:
     pair_accuracy: float  # share of pairs with z > 0
     margin: float  # mean l_theta(preferred) - l_theta(rejected)
 
-    def as_metrics(self, prefix: str = "amir/") -> dict[str, float]:
-        return {prefix + k: float(v) for k, v in self.__dict__.items()}
+    def as_metrics(self) -> dict[str, float]:
+        """The step's ``amir/*`` pair statistics, each under :data:`amir_verl.metrics.PREFIX` + its field."""
+        return {metrics.PREFIX + k: float(v) for k, v in self.__dict__.items()}
 
 
 def summarise_preference_pairs(

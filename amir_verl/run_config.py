@@ -34,9 +34,24 @@ SPLIT_INVARIANT_BASE_MODES = ("vanilla", "gspo", "cispo", "gpg", "dppo_tv", "dpp
 
 # trainer.v1.trainer_mode of each AMIR trainer (amir_verl.trainer) -> the verl V1 mode whose schedule it runs
 AMIR_TRAINER_MODE = "amir"  # the synchronous one, which messages name first
-AMIR_TRAINER_MODES = {AMIR_TRAINER_MODE: "sync", "amir_colocate_async": "colocate_async",
-                      "amir_separate_async": "separate_async"}
+AMIR_COLOCATE_ASYNC_MODE = "amir_colocate_async"
+AMIR_SEPARATE_ASYNC_MODE = "amir_separate_async"
+AMIR_TRAINER_MODES = {AMIR_TRAINER_MODE: "sync", AMIR_COLOCATE_ASYNC_MODE: "colocate_async",
+                      AMIR_SEPARATE_ASYNC_MODE: "separate_async"}
 AMIR_TRAINER_MODE_KEY = "trainer.v1.trainer_mode"
+
+
+def amir_overrides(loss_mode: str = "amir_grpo", *, trainer_mode: str = AMIR_TRAINER_MODE, **amir: object) -> list[str]:
+    """The overrides that turn verl's GRPO (or GSPO) run into AMIR, as the README states them: the loss mode,
+    the trainer mode (``trainer_mode`` picks the schedule, a key of :data:`AMIR_TRAINER_MODES`), the
+    reference log-probs that ``amir.reference=ref`` reads, and ``amir.<key>=<value>`` for each of ``amir``."""
+    if loss_mode not in AMIR_LOSS_MODES or trainer_mode not in AMIR_TRAINER_MODES:
+        raise ValueError(f"not an AMIR loss mode and trainer mode: {loss_mode!r}, {trainer_mode!r}")
+    return [
+        f"{LOSS_MODE_KEY}={loss_mode}",
+        f"{AMIR_TRAINER_MODE_KEY}={trainer_mode}",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+    ] + [f"+{CONFIG_NAMESPACE}.{k}={v}" for k, v in amir.items()]
 
 
 logger = logging.getLogger(__name__)
@@ -198,7 +213,7 @@ def validate_amir_run(config: DictConfig) -> AmirConfig:
     # verl reads parameter_sync_step under the trainer's mode, which an AMIR trainer reports as its base mode,
     # and in its rollout skip (skip.rollout_tq, the only other reader) under the configured AMIR mode
     # (tests/test_verl_rules.py): with the skip on, the two must agree
-    trainer_mode = OmegaConf.select(config, AMIR_TRAINER_MODE_KEY, default="amir")
+    trainer_mode = OmegaConf.select(config, AMIR_TRAINER_MODE_KEY, default=AMIR_TRAINER_MODE)
     base_mode = AMIR_TRAINER_MODES.get(trainer_mode, "sync")
     trainer_steps = base_parameter_sync_step(config, base_mode)
     skip_steps = OmegaConf.select(config, f"trainer.v1.{trainer_mode}.parameter_sync_step", default=1)
@@ -224,7 +239,8 @@ def check_amir_run(config: DictConfig) -> None:
     if loss_mode in AMIR_LOSS_MODES and trainer_mode not in AMIR_TRAINER_MODES:
         amir_mode = next((m for m, base in AMIR_TRAINER_MODES.items() if base == trainer_mode), None)
         hint = (f"{AMIR_TRAINER_MODE_KEY}={amir_mode} (verl's {trainer_mode} schedule with AMIR)" if amir_mode else
-                f"{AMIR_TRAINER_MODE_KEY}=amir (or " + " / ".join(m for m in AMIR_TRAINER_MODES if m != "amir")
+                f"{AMIR_TRAINER_MODE_KEY}={AMIR_TRAINER_MODE} (or "
+                + " / ".join(m for m in AMIR_TRAINER_MODES if m != AMIR_TRAINER_MODE)
                 + " for verl's async schedules)")
         raise ValueError(
             f"{LOSS_MODE_KEY}={loss_mode} needs an AMIR trainer, which adds the preference term: add "

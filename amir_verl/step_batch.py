@@ -1,8 +1,10 @@
 """From one step batch to the per-sequence AMIR fields the actor's loss needs (torch only, no verl import).
 
-The driver runs :func:`compute_step_fields` once per step on the whole batch (all groups, all data
-parallel ranks), after old and reference log-probs are known. Every sequence then carries, as
-ordinary per-sample fields, everything its share of the preference term needs, so the term is exact
+The driver runs :func:`driver_step` once per local update (once per step, but in ``separate_async``, once per
+each of its local updates) on the whole batch of that update (all groups, all data parallel ranks), after old
+and reference log-probs are known: :func:`compute_step_fields` mines the pairs and freezes the partners, then
+:func:`gradient_signal` measures both terms and the lambda controller picks lambda. Every sequence then carries,
+as ordinary per-sample fields, everything its share of the preference term needs, so the term is exact
 however verl later splits the batch across ranks and micro-batches.
 """
 
@@ -14,8 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from amir_verl import metrics
 from amir_verl.config import AmirConfig
-from amir_verl.lambda_control import StepSignal
+from amir_verl.lambda_control import LambdaController, StepSignal
 from amir_verl.preference import (
     PreferencePairs,
     PreferenceStats,
@@ -299,3 +302,70 @@ def gradient_signal(
         pref_grad_norm_per_lambda=pref_grad_norm,
         num_pairs=step.num_pairs,
     )
+
+
+@dataclass(frozen=True)
+class DriverStep:
+    """One local update's AMIR computation on the driver (:func:`driver_step`)."""
+
+    fields: StepFields
+    signal: StepSignal
+    lambda_reg: float  # the lambda this update uses
+    num_mini_batches: int  # optimizer steps the actor takes on this batch
+
+    @property
+    def extra_info(self) -> dict[str, float | int]:
+        """What the actor's loss reads from the batch's ``extra_info`` (:mod:`amir_verl.actor_loss`)."""
+        return {EXTRA_LAMBDA: self.lambda_reg, EXTRA_NUM_PAIRS: self.fields.num_pairs,
+                EXTRA_NUM_MINI_BATCHES: self.num_mini_batches}
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The update's ``amir/*`` metrics: the pair statistics, then the lambda controller's, all at the lambda
+        this update uses."""
+        lam, signal = self.lambda_reg, self.signal
+        return {
+            **self.fields.stats.as_metrics(),
+            metrics.LAMBDA: lam,
+            metrics.GRAD_SHARE: signal.grad_share(lam),
+            metrics.PG_GRAD_NORM: signal.pg_grad_norm,
+            metrics.PREF_GRAD_NORM: lam * signal.pref_grad_norm_per_lambda,
+            metrics.LOSS_RATIO: signal.loss_ratio(lam),
+        }
+
+
+def driver_step(
+    config: AmirConfig,
+    controller: LambdaController,
+    policy_loss_fn: Callable[..., tuple[torch.Tensor, dict]],
+    *,
+    sequence_rewards: torch.Tensor,
+    uids: Sequence[str],
+    response_mask: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mini_batch_sequences: int,
+    sample_keys: Sequence[str] | None = None,
+    is_padding: Sequence[bool] | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    chunked: bool = False,
+) -> DriverStep:
+    """What the driver computes from one local update's batch: the AMIR fields (:func:`compute_step_fields`),
+    both terms' gradient signal (:func:`gradient_signal`, with ``policy_loss_fn``, ``chunked`` and
+    ``rollout_is_weights`` as it takes them), and the update's lambda (``controller`` advances by one update).
+
+    Tensors as :func:`compute_step_fields` takes them: (N,) ``sequence_rewards``; (N, T) ``response_mask``,
+    ``old_log_probs``, ``ref_log_probs`` (None for ``reference=ref_free``), ``advantages`` and
+    ``rollout_is_weights``; the base loss sees the last three in float32, as verl's actor computes it.
+    ``mini_batch_sequences``: the actor's mini-batch in sequences."""
+    fields = compute_step_fields(
+        config, sequence_rewards=sequence_rewards, uids=uids, response_mask=response_mask,
+        old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, sample_keys=sample_keys, is_padding=is_padding,
+    )
+    signal = gradient_signal(
+        policy_loss_fn, fields, old_log_probs=old_log_probs.float(), advantages=advantages.float(),
+        response_mask=response_mask, beta_dpo=config.beta_dpo, chunked=chunked,
+        rollout_is_weights=None if rollout_is_weights is None else rollout_is_weights.float(),
+    )
+    return DriverStep(fields, signal, controller.step(signal), num_mini_batches(len(uids), mini_batch_sequences))

@@ -51,21 +51,20 @@ from verl.utils.config import omega_conf_to_dataclass
 from amir_verl.actor_loss import amir_ppo_loss, base_actor_config
 from amir_verl.lambda_control import LambdaController
 from amir_verl.run_config import (
+    AMIR_COLOCATE_ASYNC_MODE,
+    AMIR_SEPARATE_ASYNC_MODE,
+    AMIR_TRAINER_MODE,
+    AMIR_TRAINER_MODES,
     SPLIT_INVARIANT_BASE_MODES,
     base_parameter_sync_step,
     resolve_base_loss_mode,
     validate_amir_run,
 )
 from amir_verl.step_batch import (
-    EXTRA_LAMBDA,
-    EXTRA_NUM_MINI_BATCHES,
-    EXTRA_NUM_PAIRS,
     FIELD_PARTNER_SCORE,
     FIELD_PARTNER_SIGN,
     FIELD_REF_SEQ_LOGP,
-    compute_step_fields,
-    gradient_signal,
-    num_mini_batches,
+    driver_step,
 )
 
 logger = logging.getLogger(__name__)
@@ -154,17 +153,6 @@ def read_amir_state(folder: str, controller: LambdaController) -> bool:
     return True
 
 
-def lambda_metrics(signal, lambda_reg: float) -> dict[str, float]:
-    """``amir/*`` of the controller, all at the lambda this step's update uses."""
-    return {
-        "amir/lambda": lambda_reg,
-        "amir/grad_share": signal.grad_share(lambda_reg),
-        "amir/pg_grad_norm": signal.pg_grad_norm,
-        "amir/pref_grad_norm": lambda_reg * signal.pref_grad_norm_per_lambda,
-        "amir/loss_ratio": signal.loss_ratio(lambda_reg),
-    }
-
-
 class AmirTrainerMixin:
     """AMIR's additions to one of verl's V1 trainers (see the module docstring); put before verl's class.
 
@@ -173,7 +161,11 @@ class AmirTrainerMixin:
     """
 
     AMIR_MODE: str
-    BASE_MODE: str
+    BASE_MODE: str  # set from the mode table (run_config.AMIR_TRAINER_MODES) for each subclass
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.BASE_MODE = AMIR_TRAINER_MODES[cls.AMIR_MODE]
 
     def __init__(self, config: DictConfig):
         self.amir, self.base_actor_config = run_base_actor_config(config)
@@ -214,35 +206,30 @@ class AmirTrainerMixin:
         if not self.amir.reference_free and "ref_log_prob" not in data.keys():
             raise RuntimeError("amir.reference=ref but verl computed no ref_log_prob for this batch")
         padded = data.to_padded_tensor()
-        uids = [str(u) for u in padded.pop("uid").tolist()]  # as PPOTrainer._compute_advantage reads it
-        rewards = padded["token_level_rewards" if self.config.algorithm.use_kl_in_reward else "rm_scores"]
-        response_mask = padded["response_mask"]
-        step = compute_step_fields(
+        reward_field = "token_level_rewards" if self.config.algorithm.use_kl_in_reward else "rm_scores"
+        actor = self.config.actor_rollout_ref.actor
+        step = driver_step(
             self.amir,
-            sequence_rewards=rewards.float().sum(dim=-1),
-            uids=uids,
-            response_mask=response_mask,
+            self.lambda_controller,
+            whole_batch_policy_loss(self.base_actor_config, len(batch), int(padded["response_mask"].sum())),
+            sequence_rewards=padded[reward_field].float().sum(dim=-1),
+            uids=[str(u) for u in padded.pop("uid").tolist()],  # as PPOTrainer._compute_advantage reads it
+            response_mask=padded["response_mask"],
             old_log_probs=padded["old_log_probs"],
             ref_log_probs=padded["ref_log_prob"] if not self.amir.reference_free else None,
+            advantages=padded["advantages"],
+            mini_batch_sequences=actor.ppo_mini_batch_size * self.config.actor_rollout_ref.rollout.n,
             sample_keys=list(batch.keys),
             is_padding=[bool(tag.get("is_padding", False)) for tag in batch.tags],
-        )
-        signal = gradient_signal(
-            whole_batch_policy_loss(self.base_actor_config, len(batch), int(response_mask.sum())),
-            step,
-            old_log_probs=padded["old_log_probs"].float(),
-            advantages=padded["advantages"].float(),
-            response_mask=response_mask,
-            beta_dpo=self.amir.beta_dpo,
+            rollout_is_weights=padded["rollout_is_weights"] if "rollout_is_weights" in padded.keys() else None,
             chunked=self.base_actor_config.policy_loss.loss_mode in SPLIT_INVARIANT_BASE_MODES,
-            rollout_is_weights=padded["rollout_is_weights"].float() if "rollout_is_weights" in padded.keys() else None,
         )
-        lambda_reg = self.lambda_controller.step(signal)
+        fields = step.fields
         # verl dumps a step's rollouts once, after its last local update (PPOTrainer.fit): collect them all
         if self.local_trigger_step == 0:
             self._step_dump_fields = {name: {} for name in DUMPED_FIELDS}
-        for name, values in zip(DUMPED_FIELDS, (step.old_seq_logp, step.ref_seq_logp, step.partner_score,
-                                                step.partner_sign)):
+        for name, values in zip(DUMPED_FIELDS, (fields.old_seq_logp, fields.ref_seq_logp, fields.partner_score,
+                                                fields.partner_sign)):
             self._step_dump_fields[name].update(zip(batch.keys, values.tolist()))
         # The workers fetch exactly the fields the returned meta lists (verl's tqbridge), so keep it.
         stored = tq.kv_batch_put(
@@ -250,22 +237,16 @@ class AmirTrainerMixin:
             partition_id=batch.partition_id,
             fields=TensorDict(
                 {
-                    FIELD_REF_SEQ_LOGP: step.ref_seq_logp.float(),
-                    FIELD_PARTNER_SCORE: step.partner_score.float(),
-                    FIELD_PARTNER_SIGN: step.partner_sign.float(),
+                    FIELD_REF_SEQ_LOGP: fields.ref_seq_logp.float(),
+                    FIELD_PARTNER_SCORE: fields.partner_score.float(),
+                    FIELD_PARTNER_SIGN: fields.partner_sign.float(),
                 },
                 batch_size=len(batch),
             ),
         )
-        stored.extra_info = {**batch.extra_info, **(stored.extra_info or {})}
-        batch = stored
-        mini_batch = self.config.actor_rollout_ref.actor.ppo_mini_batch_size * self.config.actor_rollout_ref.rollout.n
-        batch.extra_info[EXTRA_LAMBDA] = lambda_reg
-        batch.extra_info[EXTRA_NUM_PAIRS] = step.num_pairs
-        batch.extra_info[EXTRA_NUM_MINI_BATCHES] = num_mini_batches(len(batch), mini_batch)
-        metrics.update(step.stats.as_metrics())
-        metrics.update(lambda_metrics(signal, lambda_reg))
-        return batch
+        stored.extra_info = {**batch.extra_info, **(stored.extra_info or {}), **step.extra_info}
+        metrics.update(step.metrics)
+        return stored
 
     def _log_rollout_data(self, batch, timing_raw: dict, rollout_data_dir: str):
         # PPOTrainerBase._log_rollout_data dumps prompt, response, score and the sample key (as "uid", sorted)
@@ -314,23 +295,22 @@ class AmirTrainerMixin:
 
 
 
-@register_trainer("amir")
+@register_trainer(AMIR_TRAINER_MODE)
 class AmirPPOTrainer(AmirTrainerMixin, PPOTrainerSync):
     """verl's synchronous V1 trainer plus AMIR's preference term."""
 
-    AMIR_MODE, BASE_MODE = "amir", "sync"
+    AMIR_MODE = AMIR_TRAINER_MODE
 
 
-@register_trainer("amir_colocate_async")
+@register_trainer(AMIR_COLOCATE_ASYNC_MODE)
 class AmirColocateAsyncTrainer(AmirTrainerMixin, PPOTrainerColocateAsync):
     """verl's colocated asynchronous V1 trainer plus AMIR's preference term."""
 
-    AMIR_MODE, BASE_MODE = "amir_colocate_async", "colocate_async"
+    AMIR_MODE = AMIR_COLOCATE_ASYNC_MODE
 
 
-@register_trainer("amir_separate_async")
+@register_trainer(AMIR_SEPARATE_ASYNC_MODE)
 class AmirSeparateAsyncTrainer(AmirTrainerMixin, PPOTrainerSeparateAsync):
     """verl's separated asynchronous V1 trainer (decoupled PPO) plus AMIR's preference term."""
 
-    AMIR_MODE, BASE_MODE = "amir_separate_async", "separate_async"
-
+    AMIR_MODE = AMIR_SEPARATE_ASYNC_MODE

@@ -21,9 +21,9 @@ import tempfile
 from pathlib import Path
 
 from amir_verl.cpu.launch import main_ppo_command, parse_step_metrics, run_main_ppo_together
-from amir_verl.cpu.quickstart import amir_overrides, cpu_overrides
-from amir_verl.cpu.toy_task import make_assets
-from amir_verl.run_config import AMIR_TRAINER_MODES
+from amir_verl.demo.quickstart import toy_grpo_overrides
+from amir_verl.demo.toy_task import make_assets
+from amir_verl.run_config import AMIR_TRAINER_MODES, amir_overrides
 
 BASE_MODES = {base: amir for amir, base in AMIR_TRAINER_MODES.items()}  # verl mode -> its AMIR mode
 PHASES = {"step": ("step",), "adv+update_actor": ("adv", "update_actor")}  # verl's timing_s/* keys
@@ -38,7 +38,7 @@ def pair_commands(assets, root: Path, schedule: str, steps: int) -> dict:
     for name, extra in runs.items():
         workdir = root / schedule / name
         workdir.mkdir(parents=True)
-        overrides = cpu_overrides(assets, workdir, steps, test_freq=-1, schedule=schedule) + extra + [
+        overrides = toy_grpo_overrides(assets, workdir, steps, test_freq=-1, schedule=schedule) + extra + [
             "trainer.val_before_train=False"]
         commands[name] = main_ppo_command(overrides, log_path=workdir / "main_ppo.log")
     return commands

@@ -14,7 +14,7 @@ import argparse
 import random
 from pathlib import Path
 
-from amir_verl.cpu.toy_task import make_assets
+from amir_verl.demo.toy_task import make_assets
 from amir_verl.evaluation.cli import main as amir_eval
 
 SOURCES = ["openai/gsm8k", "math-ai/aime25", "deepmind/aqua_rat"]

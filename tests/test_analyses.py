@@ -7,11 +7,11 @@ import pandas as pd
 import pytest
 import torch
 
-from amir_verl.cpu.toy_task import make_assets
+from amir_verl.demo.toy_task import make_assets
 from amir_verl.evaluation import analyses
 from amir_verl.evaluation.cli import main
 from amir_verl.evaluation.passk import Sample
-from tests.test_evaluation import verl_dump
+from tests.support import verl_dump
 
 
 def dump(folder, rows, step=5):

@@ -4,22 +4,13 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import verl
 from amir_verl.config import AmirConfig, describe_keys
 from amir_verl.run_config import validate_amir_run
+from tests.support import AMIR, GRPO, compose_verl
 
 REPO = Path(__file__).resolve().parents[1]
-VERL_CONFIG = Path(verl.__file__).parent / "trainer" / "config"
-GRPO = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=vllm"]
-AMIR = ["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "trainer.v1.trainer_mode=amir"]
-
-
-def compose_verl(overrides, config_dir=VERL_CONFIG, name="ppo_trainer"):
-    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-        return compose(config_name=name, overrides=overrides)
 
 
 def test_defaults_are_valid_and_documented():

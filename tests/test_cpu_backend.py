@@ -23,8 +23,9 @@ from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from amir_verl.cpu.hf_rollout import HFRolloutServer
 from amir_verl.cpu.platform import REPLAY_BUFFER_POLL_INTERVAL_S
-from amir_verl.cpu.toy_task import compute_score, make_assets, make_rows
+from amir_verl.demo.toy_task import compute_score, make_assets, make_rows
 from tests.seams import fingerprint
+from tests.support import generate
 
 # upstream function -> (sha256 prefix of its verl 0.9.1 source, what the CPU backend relies on)
 CPU_SEAMS = {
@@ -134,13 +135,6 @@ def server(tmp_path_factory):
     srv = HFRolloutServer(config, model_config, replica_rank=0)
     srv.set_global_steps(0)
     return srv, assets
-
-
-def generate(srv, prompt, **params):
-    import asyncio
-
-    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True, **params}
-    return asyncio.run(srv.generate(prompt_ids=prompt, sampling_params=params, request_id="x"))
 
 
 def test_server_returns_verl_token_output_with_the_actor_log_probs(server):

@@ -89,7 +89,7 @@ def test_the_hf_adapter_of_a_standalone_replica_loads_what_the_engine_delivers(l
     from verl.workers.config import HFModelConfig, RolloutConfig
 
     from amir_verl.cpu.hf_rollout import HFRolloutServer, HFServerAdapter, server_actor_name
-    from amir_verl.cpu.toy_task import make_assets
+    from amir_verl.demo.toy_task import make_assets
 
     assets = make_assets(tmp_path, n_train=2, n_test=1)
     config = RolloutConfig(name="hf", prompt_length=32, response_length=4)

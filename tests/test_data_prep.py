@@ -12,11 +12,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from amir_verl.cpu.toy_task import make_dataset
+from amir_verl.demo.toy_task import make_dataset
 from amir_verl.datasets import ROW_SCHEMA, SOURCES, DataPrepError, prepare
 from amir_verl.reward import compute_score
 from amir_verl.reward.template import INSTRUCTION
 from tests.test_recipes import compose_recipe
+from tests.support import load_like_main_ppo, word_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K_SCRIPT, BENCHMARKS_SCRIPT = REPO / "data_prep" / "gsm8k.py", REPO / "data_prep" / "benchmarks.py"
@@ -128,21 +129,6 @@ RAW_LAYOUT = {
 }
 
 
-def word_tokenizer(folder: Path):
-    """A tiny local tokenizer (one token per whitespace-separated word, all unknown but the specials), so
-    that every fixture prompt stays far under the recipe's max_prompt_length and none is filtered."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    core = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "<pad>": 1, "<eos>": 2}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<pad>",
-                                        eos_token="<eos>")
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
-    tokenizer.save_pretrained(folder)
-    return tokenizer
-
-
 @pytest.fixture(scope="module")
 def recipe_data(tmp_path_factory):
     """Every file the paper recipes read, made by the real data_prep scripts (their main(), as run from
@@ -175,15 +161,6 @@ def recipe_config(recipe_data):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("AMIR_DATA", str(recipe_data[0]))
         return compose_recipe("amir_grpo", "unused/model")
-
-
-def load_like_main_ppo(files, config, tokenizer, is_train):
-    """verl 0.9.1's V1 trainer (trainer_base._init_dataloader): create_rl_dataset, then its collate_fn."""
-    from verl.trainer.ppo.utils import create_rl_dataset
-
-    key = "train_max_samples" if is_train else "val_max_samples"
-    return create_rl_dataset(files, config.data, tokenizer, None, is_train=is_train,
-                             max_samples=config.data.get(key, -1))
 
 
 def test_recipe_train_and_val_files_load_through_verl_with_every_gold(recipe_data, recipe_config, tmp_path):

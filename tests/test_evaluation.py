@@ -22,6 +22,7 @@ from amir_verl.evaluation.cli import main
 from amir_verl.evaluation.passk import EvaluationError, Sample, benchmark_pass_at_k, pass_at_k
 from amir_verl.evaluation.records import final_session_outputs, load_run
 from tests.seams import fingerprint
+from tests.support import verl_dump
 
 
 @given(st.integers(1, 9).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n), st.integers(1, n))))
@@ -44,18 +45,6 @@ def test_fewer_samples_than_k_names_the_problem():
     samples = [Sample("p1", "openai/gsm8k", True)] * 4 + [Sample("p2", "openai/gsm8k", False)] * 2
     with pytest.raises(EvaluationError, match=r"problem 'p2' of openai/gsm8k has 2 sample\(s\), fewer than k=4"):
         benchmark_pass_at_k(samples, [1, 4])
-
-
-def verl_dump(folder, step, lines):
-    """``<folder>/<step>.jsonl`` written by verl's own V1 ``_write_generations``; ``lines`` are dicts with
-    input, output, score and the reward's extra fields (uid included), as verl's ``_validate`` passes them."""
-    keys = list(dict.fromkeys(k for line in lines for k in line))
-    extra = {k: [line.get(k) for line in lines] for k in keys if k not in ("input", "output", "gts", "score")}
-    PPOTrainer._write_generations(
-        inputs=[line["input"] for line in lines], outputs=[line["output"] for line in lines],
-        gts=[line.get("gts", "1") for line in lines], scores=[line["score"] for line in lines],
-        reward_extra_infos_dict=extra, dump_path=str(folder), global_steps=step)
-    return folder / f"{step}.jsonl"
 
 
 def graded(problem, outcomes, source="openai/gsm8k", prompt_uid=None, **fields):

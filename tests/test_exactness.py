@@ -16,21 +16,18 @@ from amir_verl.config import AmirConfig
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 from verl.workers.utils.losses import ppo_loss
 
+from tests.support import brute_force_gradient, whole_batch_base_loss
 from amir_verl.testing import (
     Layout,
     actor_config,
-    actor_tensordict,
     amir_step_fields,
-    assign_engine_batch_info,
     brute_force_pref_objective,
     extra_info_for,
     grads,
     make_step_batch,
-    nested,
     plain_metrics,
     run_actor_update,
     tiny_model,
-    token_log_probs,
 )
 
 LAMBDA = 0.7  # large, so that a wrong preference gradient cannot hide under the policy gradient
@@ -85,24 +82,6 @@ def make_batch(models, seed=0):
 
 def base_config(base_mode, agg="token-mean", **options):
     return actor_config(base_mode, agg, loss_scale_factor=LOSS_SCALE_FACTOR.get(agg), **options)
-
-
-def whole_batch_base_loss(model, batch, config):
-    """verl's base-mode ppo_loss over the whole step batch in one piece (dp 1, one micro-batch)."""
-    order = list(range(len(batch)))
-    td = actor_tensordict(batch, order)
-    assign_engine_batch_info([td], global_batch_size=len(batch))
-    log_probs = nested([token_log_probs(model, x) for x in td["input_ids"].unbind()])
-    base_loss, _ = ppo_loss(config, {"log_probs": log_probs}, td)
-    return base_loss
-
-
-def brute_force_gradient(model, batch, amir, config, lambda_reg):
-    model.zero_grad()
-    base_loss = whole_batch_base_loss(model, batch, config)
-    j_pref = brute_force_pref_objective(model, batch.ref_log_probs, batch, amir)
-    (base_loss + lambda_reg * (-j_pref)).backward()
-    return grads(model), j_pref.detach(), float(base_loss)
 
 
 def amir_update(model, batch, amir, config, layout, fields, lambda_reg=LAMBDA):

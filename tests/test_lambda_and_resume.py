@@ -13,8 +13,17 @@ from amir_verl.lambda_control import StepSignal
 from amir_verl.preference import dpo_logits, length_normalised_log_probs, mine_preference_pairs, preference_objective
 from amir_verl import step_batch
 from amir_verl.run_config import SPLIT_INVARIANT_BASE_MODES
-from amir_verl.step_batch import compute_step_fields, gradient_signal, policy_gradient_at_old
-from amir_verl.trainer import STATE_FILE, lambda_metrics, read_amir_state, whole_batch_policy_loss, write_amir_state
+from amir_verl import metrics
+from amir_verl.step_batch import (
+    EXTRA_LAMBDA,
+    EXTRA_NUM_MINI_BATCHES,
+    EXTRA_NUM_PAIRS,
+    compute_step_fields,
+    driver_step,
+    gradient_signal,
+    policy_gradient_at_old,
+)
+from amir_verl.trainer import STATE_FILE, read_amir_state, whole_batch_policy_loss, write_amir_state
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from amir_verl.testing import (
     Layout,
@@ -130,10 +139,28 @@ def test_on_policy_grad_share_moves_lambda_into_the_band_while_loss_ratio_hits_i
     official = controller(lambda_rule="loss_ratio")
     assert [official.step(s) for _ in range(4)] == pytest.approx([0.008, 0.0064, 0.00512, 0.005])
 
-    metrics = lambda_metrics(s, lambdas[-1])
-    assert metrics["amir/pref_grad_norm"] == pytest.approx(lambdas[-1] * s.pref_grad_norm_per_lambda)
-    assert metrics["amir/grad_share"] == pytest.approx(
-        metrics["amir/pref_grad_norm"] / (metrics["amir/pref_grad_norm"] + metrics["amir/pg_grad_norm"]))
+
+
+def test_the_driver_step_is_a_function_of_the_batch_without_a_trainer():
+    """driver_step: the fields, the signal, the controller's lambda for this update, what the actor reads and
+    the metrics, from tensors alone (the trainer only moves them to and from TransferQueue)."""
+    s, (rewards, uids, mask, old, ref, advantages, amir) = on_policy_step(seed=2)
+    loss_fn = whole_batch_policy_loss(actor_config("vanilla", kl_coef=None), len(uids), int(mask.sum()))
+    share, twin = controller(), controller()
+    step = driver_step(amir, share, loss_fn, sequence_rewards=rewards, uids=uids, response_mask=mask,
+                       old_log_probs=old, ref_log_probs=ref, advantages=advantages, mini_batch_sequences=32)
+    # the base loss sees float32 log-probs and advantages, as verl's actor computes it
+    expected = gradient_signal(loss_fn, step.fields, old.float(), advantages.float(), mask, amir.beta_dpo)
+    assert step.signal == expected and step.lambda_reg == twin.step(expected) and share.num_updates == 1
+    assert step.fields.num_pairs == s.num_pairs and step.signal.pref_loss == s.pref_loss
+    assert step.extra_info == {EXTRA_LAMBDA: step.lambda_reg, EXTRA_NUM_PAIRS: s.num_pairs,
+                               EXTRA_NUM_MINI_BATCHES: len(uids) // 32}
+    m = step.metrics
+    assert m[metrics.NUM_PAIRS] == s.num_pairs and m[metrics.PREF_LOSS] == s.pref_loss
+    assert m[metrics.LAMBDA] == step.lambda_reg
+    assert m[metrics.PREF_GRAD_NORM] == pytest.approx(step.lambda_reg * s.pref_grad_norm_per_lambda)
+    assert m[metrics.GRAD_SHARE] == pytest.approx(m[metrics.PREF_GRAD_NORM] / (m[metrics.PREF_GRAD_NORM]
+                                                                             + m[metrics.PG_GRAD_NORM]))
 
 
 def test_grad_share_lowers_lambda_when_the_term_dominates():

@@ -113,7 +113,7 @@ def test_greedy_generation_stops_at_im_end(smollm2):
 
 def test_a_local_hf_folder_is_copied_with_its_special_tokens_agreeing(tmp_path):
     """The same command on a local HF folder (as on a hub id): the folder it writes passes the token check."""
-    from amir_verl.cpu.toy_task import make_assets
+    from amir_verl.demo.toy_task import make_assets
     from amir_verl.models import main
 
     source = make_assets(tmp_path / "toy", n_train=2, n_test=2)["model"]

@@ -3,13 +3,13 @@ written, and its generated data passes through data_prep into the parquet the re
 
 import random
 
-import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
-from amir_verl.cpu.paper import CPU_OVERRIDES, EVAL_BENCHMARKS, SIZES
-from amir_verl.cpu.paper_data import raw_record, word_problem, worked_answer
-from amir_verl.datasets import ROW_SCHEMA, SOURCES, to_row
+from amir_verl.paper_pipeline import EVAL_BENCHMARKS
+from amir_verl.paper_pipeline.pipeline import CPU_OVERRIDES, SIZES
+from amir_verl.paper_pipeline.data import raw_record, word_problem, worked_answer
+from amir_verl.datasets import SOURCES, to_row
 from amir_verl.reward import compute_score
 from amir_verl.reward.template import parse_response
 from tests.test_recipes import compose_recipe

@@ -8,11 +8,11 @@ import pyarrow.parquet as pq
 import pytest
 import wrapt
 
-from amir_verl.cpu.paper import EVAL_BENCHMARKS
-from amir_verl.cpu.paper_data import write_raw_datasets
+from amir_verl.paper_pipeline import EVAL_BENCHMARKS
+from amir_verl.paper_pipeline.data import write_raw_datasets
 from amir_verl.datasets import prepare
 from amir_verl.prompt_filter import PREFIX
-from tests.test_data_prep import load_like_main_ppo, word_tokenizer
+from tests.support import load_like_main_ppo, word_tokenizer
 from tests.test_recipes import compose_recipe
 
 MAX_PROMPT = 200  # words (the test tokenizer's tokens); a generated prompt has about 90, an over-long one 800

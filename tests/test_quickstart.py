@@ -19,8 +19,10 @@ from amir_verl.cpu.launch import (
     run_logged,
     run_logged_together,
 )
-from amir_verl.cpu.quickstart import MARKER, QuickstartError, main, prepare_workdir
-from amir_verl.cpu.report import moving_average, plot_runs, progress_line, summary_rows, summary_table, validation_accuracy
+from amir_verl.cpu.progress import progress_line, validation_accuracy
+from amir_verl.demo.quickstart import MARKER, QuickstartError, main, prepare_workdir
+from amir_verl.demo.report import moving_average, plot_runs, summary_rows, summary_table
+from tests.support import sigint_as_from_a_terminal
 
 PY = sys.executable
 
@@ -48,13 +50,6 @@ def test_timeout_fires_while_the_child_prints_nothing_and_stops_its_whole_group(
 
 def _gone(pid: int) -> bool:
     return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-
-
-def sigint_as_from_a_terminal() -> None:
-    """``preexec_fn`` for a process the test will Ctrl-C: SIGINT raises KeyboardInterrupt, as in a terminal.
-    (A test run started in the background, ``pytest ... &``, hands its children SIGINT ignored, and Python
-    keeps an ignored SIGINT ignored, so the signal would never arrive.)"""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def launcher_to_interrupt(child_code: str, call: str) -> subprocess.Popen:
@@ -255,7 +250,7 @@ def test_workdir_made_by_the_quickstart_is_reused_with_its_runs_cleared(tmp_path
 def test_workdir_of_a_running_quickstart_is_refused(tmp_path):
     prepare_workdir(tmp_path, ["grpo"])
     # a live process whose command line names the quickstart module stands for the other quickstart
-    other = subprocess.Popen([PY, "-c", "import time; time.sleep(60)", "amir_verl.cpu.quickstart"])
+    other = subprocess.Popen([PY, "-c", "import time; time.sleep(60)", "amir_verl.demo.quickstart"])
     try:
         (tmp_path / MARKER).write_text(str(other.pid))
         with pytest.raises(QuickstartError, match=f"another quickstart \\(pid {other.pid}\\) is running"):

@@ -26,8 +26,8 @@ from amir_verl.step_batch import (
     FIELD_REF_SEQ_LOGP,
 )
 from amir_verl.trainer import AmirPPOTrainer, run_base_actor_config
-from tests.test_config import GRPO, compose_verl
-from tests.test_exactness import brute_force_gradient
+from tests.support import GRPO, compose_verl
+from tests.support import brute_force_gradient
 from amir_verl.testing import (
     Layout,
     actor_config,

@@ -25,7 +25,7 @@ from amir_verl.config import AmirConfig
 from amir_verl.run_config import AMIR_TRAINER_MODES, validate_amir_run
 from amir_verl.step_batch import session_final_mask
 from amir_verl.trainer import AmirPPOTrainer, AmirTrainerMixin, write_amir_state
-from tests.test_config import AMIR, GRPO, compose_verl
+from tests.support import AMIR, GRPO, compose_verl
 
 # ------------------------------------------------------------ which outputs of an agent session count
 

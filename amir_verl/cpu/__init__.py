@@ -1,10 +1,12 @@
-"""Debug on CPU: verl's real ``main_ppo`` without an accelerator (opt-in with ``AMIR_VERL_CPU=1``).
+"""The CPU backend: verl's real ``main_ppo`` without an accelerator (opt-in with ``AMIR_VERL_CPU=1``).
 
-:mod:`amir_verl.cpu.platform` registers a ``cpu`` platform in verl; :mod:`amir_verl.cpu.hf_rollout` adds
-the ``hf`` rollout backend (batched transformers decoding); :mod:`amir_verl.cpu.checkpoint_engine` the
-checkpoint engine of ``separate_async``'s standalone rollout; :mod:`amir_verl.cpu.toy_task` makes the tiny
-model, tokenizer and data of the quickstart (:mod:`amir_verl.cpu.quickstart`, the GRPO vs AMIR-GRPO demo),
-which launches main_ppo through :mod:`amir_verl.cpu.launch` and reports with :mod:`amir_verl.cpu.report`.
+What verl loads: :mod:`~amir_verl.cpu.platform` registers a ``cpu`` platform in verl and its patches;
+:mod:`~amir_verl.cpu.hf_rollout` the ``hf`` rollout backend (batched transformers decoding behind verl's
+rollout-server interface); :mod:`~amir_verl.cpu.checkpoint_engine` the checkpoint engine ``cpu_object_store``
+of ``separate_async``'s standalone rollout. What runs it: :mod:`~amir_verl.cpu.settings`, the overrides every
+CPU run needs, defined once; :mod:`~amir_verl.cpu.launch`, main_ppo as a child process in its own process
+group, its output teed and its metric lines parsed; :mod:`~amir_verl.cpu.progress`, a run's console line per
+step. The demo (:mod:`amir_verl.demo`) and the paper pipeline (:mod:`amir_verl.paper_pipeline`) build on it.
 The plugin imports none of this unless the switch is set, so a GPU run never touches it.
 """
 

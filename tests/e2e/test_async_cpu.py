@@ -63,17 +63,10 @@ WARMUP_BATCHES = 1
 LAYOUT = {"colocate_async": (8, 1), "separate_async": (4, 2)}
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    from amir_verl.cpu.toy_task import make_assets
-
-    return make_assets(tmp_path_factory.mktemp("toy"), n_train=64, n_test=8)
-
-
 def async_command(assets, workdir: Path, mode: str):
     from amir_verl.cpu.hf_rollout import HOLD_ENV
-    from amir_verl.cpu.quickstart import amir_overrides
-    from tests.e2e.test_main_ppo_cpu import train_command
+    from amir_verl.run_config import amir_overrides
+    from tests.e2e.support import train_command
 
     command = train_command(assets, workdir, STEPS, amir_overrides(
         "amir_grpo", trainer_mode=f"amir_{mode}", beta_dpo=BETA, delta_r=DELTA) + [
@@ -100,7 +93,7 @@ def async_runs(assets, tmp_path_factory):
     """Both runs side by side (colocate_async stopped after step 2 and resumed) -> {mode: (workdir, verl's
     console metrics by step, the probe's records)}; the records: {(step, local update): (the
     _compute_advantage record, the actor update's metrics)}."""
-    from tests.e2e.test_main_ppo_cpu import train_side_by_side
+    from tests.e2e.support import train_side_by_side
 
     root = tmp_path_factory.mktemp("async")
     commands = {mode: async_command(assets, root / mode, mode) for mode in LAYOUT}

@@ -54,7 +54,7 @@ def lora_command(assets, workdir: Path, steps: int, amir: list[str]):
     recipe's ``kl_loss_coef`` replaces the toy run's 0), a checkpoint every step and the probe, which
     records in ``workdir/probe``."""
     from tests.e2e.probe import probed
-    from tests.e2e.test_main_ppo_cpu import train_command
+    from tests.e2e.support import train_command
 
     return probed(train_command(assets, workdir, steps, amir, save_freq=1), workdir, REPO)
 
@@ -161,17 +161,10 @@ def check_lora_run_with_reference(assets, workdir: Path, metrics: dict, records:
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    from amir_verl.cpu.toy_task import make_assets
-
-    return make_assets(tmp_path_factory.mktemp("toy"), n_train=64, n_test=8)
-
-
-@pytest.fixture(scope="module")
 def lora_runs(assets, tmp_path_factory):
     """Two LoRA runs side by side -> {run: (workdir, verl's console metrics by step, the probe's records by step)}."""
-    from amir_verl.cpu.quickstart import amir_overrides
-    from tests.e2e.test_main_ppo_cpu import GSPO_FLAGS, train_side_by_side
+    from amir_verl.run_config import amir_overrides
+    from tests.e2e.support import GSPO_FLAGS, train_side_by_side
 
     runs = {  # run -> (steps, overrides)
         # AMIR-GSPO with amir.reference=ref (AMIR-GRPO with LoRA is the reference-free run; the reference
@@ -244,7 +237,7 @@ def hf_server(assets):
 def test_hf_server_serves_a_lora_adapter_and_refuses_a_partial_or_changed_one(hf_server, assets):
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
-    from tests.test_cpu_backend import generate
+    from tests.support import generate
 
     srv = hf_server
     adapted = get_peft_model(base_model(assets), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",

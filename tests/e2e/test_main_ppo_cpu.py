@@ -20,51 +20,17 @@ import psutil
 import pytest
 import torch
 
-from amir_verl.cpu.launch import (
-    GRACE_S,
-    LoggedCommand,
-    main_ppo_command,
-    parse_step_metrics,
-    run_main_ppo,
-    run_main_ppo_together,
-)
-from amir_verl.cpu.quickstart import amir_overrides, cpu_overrides, run_overrides
-from amir_verl.cpu.toy_task import make_assets
-from tests.test_quickstart import sigint_as_from_a_terminal
+from amir_verl.cpu.launch import GRACE_S, LoggedCommand, parse_step_metrics, run_main_ppo
+from amir_verl.demo.quickstart import run_overrides
+from amir_verl.demo.toy_task import make_assets
+from amir_verl.run_config import amir_overrides
+from tests.e2e.support import GSPO_FLAGS, train, train_command, train_side_by_side
+from tests.support import sigint_as_from_a_terminal
 
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return make_assets(tmp_path_factory.mktemp("toy"), n_train=64, n_test=8)
-
-
-def train_command(assets, workdir: Path, steps: int, extra: list[str], **kwargs) -> LoggedCommand:
-    """A CPU GRPO run of the toy task, no validation, plus ``extra``; verl's output in ``workdir/main_ppo.log``."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    overrides = cpu_overrides(assets, workdir, steps, test_freq=kwargs.pop("test_freq", -1), **kwargs) + extra + [
-        "trainer.val_before_train=False"
-    ]
-    return main_ppo_command(overrides, log_path=workdir / "main_ppo.log")
-
-
-def train_side_by_side(commands: dict[str, LoggedCommand]) -> dict[str, dict[int, dict[str, float]]]:
-    """Independent runs at once (each with its own Ray): on 2 cores one run leaves about a third idle."""
-    return {name: parse_step_metrics(output) for name, output in run_main_ppo_together(commands, timeout=900).items()}
-
-
-def train(assets, workdir: Path, steps: int, extra: list[str], **kwargs) -> dict[int, dict[str, float]]:
-    return train_side_by_side({"run": train_command(assets, workdir, steps, extra, **kwargs)})["run"]
-
-
 GRPO_BASE = ["actor_rollout_ref.actor.use_kl_loss=True"]
-GSPO_FLAGS = [
-    "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
-    "actor_rollout_ref.actor.clip_ratio_low=3e-4",
-    "actor_rollout_ref.actor.clip_ratio_high=4e-4",
-    "actor_rollout_ref.actor.use_kl_loss=True",
-]
 BASE_METRICS = ["actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl",
                 "critic/score/mean", "critic/advantages/mean", "response_length/mean"]
 
@@ -245,7 +211,7 @@ def test_calibrated_reward_manager_runs_in_verls_reward_loop(independent_runs):
 
 
 def quickstart(workdir: Path, *args: str, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "amir_verl.cpu.quickstart", "--workdir", str(workdir), *args],
+    return subprocess.Popen([sys.executable, "-m", "amir_verl.demo.quickstart", "--workdir", str(workdir), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 

@@ -1,4 +1,4 @@
-"""The paper's pipeline as one piece, as a user runs it: ``python -m amir_verl.cpu.paper --size test`` (data_prep
+"""The paper's pipeline as one piece, as a user runs it: ``python -m amir_verl.paper_pipeline.pipeline --size test`` (data_prep
 -> SmolLM2-135M-Instruct -> cold start -> recipes/paper/run.sh grpo and amir_grpo side by side through verl's
 main_ppo -> verl's model merger -> amir-eval), each artifact checked against a rule decided before running:
 
@@ -30,7 +30,8 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from amir_verl.cpu.paper import CPU_OVERRIDES, MODEL_NAME, SIZES
+from amir_verl.paper_pipeline import MODEL_NAME
+from amir_verl.paper_pipeline.pipeline import CPU_OVERRIDES, SIZES
 from amir_verl.datasets import ROW_SCHEMA
 from amir_verl.evaluation.passk import DISPLAY_NAMES
 
@@ -48,7 +49,7 @@ def pipeline(tmp_path_factory, smollm2):
     # workdir's prepared model, as on a rerun, which saves the suite one conversion
     (work / "models").mkdir()
     (work / "models" / "smollm2").symlink_to(smollm2, target_is_directory=True)
-    done = subprocess.run([sys.executable, "-m", "amir_verl.cpu.paper", "--workdir", str(work), "--size", "test"],
+    done = subprocess.run([sys.executable, "-m", "amir_verl.paper_pipeline.pipeline", "--workdir", str(work), "--size", "test"],
                           capture_output=True, text=True, timeout=2400, cwd=REPO)
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
     return work, done.stdout

@@ -3,11 +3,11 @@
 A base SmolLM2-135M-Instruct earns reward 0 on the paper's template (it rarely writes an ``<answer>`` tag),
 so every group's rewards are equal, no pair is mined and AMIR never acts; real pipelines start RL from a
 model that already follows the format. This is plain full-parameter SFT with transformers (AdamW, loss on
-the response tokens only) on generated problems with worked answers (:mod:`amir_verl.cpu.paper_data`),
+the response tokens only) on generated problems with worked answers (:mod:`amir_verl.paper_pipeline.data`),
 each prompt rendered exactly as verl renders it for the rollout: the chat template over
 :func:`amir_verl.reward.template.build_prompt`, with the generation prompt.
 
-    python -m amir_verl.cpu.cold_start --model DIR --out DIR [--steps 12] [--batch 8] [--lr 5e-5] [--seed 0]
+    python -m amir_verl.paper_pipeline.cold_start --model DIR --out DIR [--steps 12] [--batch 8] [--lr 5e-5] [--seed 0]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from amir_verl.cpu.paper_data import cold_start_examples
+from amir_verl.paper_pipeline.data import cold_start_examples
 from amir_verl.reward.template import build_prompt
 
 

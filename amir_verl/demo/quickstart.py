@@ -1,11 +1,11 @@
 """GRPO against AMIR-GRPO with verl's real ``main_ppo`` on a laptop CPU, in one command:
 
-    python -m amir_verl.cpu.quickstart [--workdir DIR] [--steps N] [--runs grpo,amir_grpo] [--one-at-a-time]
+    python -m amir_verl.demo.quickstart [--workdir DIR] [--steps N] [--runs grpo,amir_grpo] [--one-at-a-time]
                                        [-- hydra overrides]
 
-It makes a tiny model, tokenizer and toy data (:mod:`amir_verl.cpu.toy_task`), then trains each run
+It makes a tiny model, tokenizer and toy data (:mod:`amir_verl.demo.toy_task`), then trains each run
 with ``python -m verl.trainer.main_ppo`` on the CPU backend (``AMIR_VERL_CPU=1``, the overrides of
-:func:`cpu_overrides`), side by side (each with its own Ray: one run leaves about a third of 2 cores idle;
+:func:`toy_grpo_overrides`), side by side (each with its own Ray: one run leaves about a third of 2 cores idle;
 ``--one-at-a-time`` runs them one after the other), from the same model with the same seeds and data order:
 
 - ``grpo``: verl's GRPO, run through the AMIR trainer with lambda fixed at 0, so that the preference
@@ -23,41 +23,30 @@ after ``--`` go to every run's main_ppo.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
-import threading
 import time
 from pathlib import Path
 
 import psutil
 
-from amir_verl.cpu.launch import MainPPOFailed, main_ppo_command, parse_metrics_line, run_main_ppo_together
-from amir_verl.cpu.report import plot_runs, progress_line, summary_table
-from amir_verl.cpu.toy_task import make_assets
+from amir_verl.cpu.launch import MainPPOFailed, main_ppo_command, run_main_ppo_together
+from amir_verl.cpu.progress import RunProgress
+from amir_verl.cpu.settings import cpu_settings, schedule_overrides
+from amir_verl.demo.report import plot_runs, summary_table
+from amir_verl.demo.toy_task import make_assets
+from amir_verl.run_config import amir_overrides
 
-FP32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
-
-
-def amir_overrides(loss_mode: str = "amir_grpo", *, trainer_mode: str = "amir", **amir: object) -> list[str]:
-    """The override set that turns verl's GRPO (or GSPO) run into AMIR, as the README states it; ``trainer_mode``
-    picks the schedule (``amir``, ``amir_colocate_async``, ``amir_separate_async``)."""
-    return [
-        f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
-        f"trainer.v1.trainer_mode={trainer_mode}",
-        "actor_rollout_ref.actor.use_kl_loss=True",
-    ] + [f"+amir.{k}={v}" for k, v in amir.items()]
-
-
-def cpu_overrides(assets: dict[str, str], workdir: Path, steps: int, n_gpus: int = 1, group_size: int = 8,
-                  prompts_per_step: int = 8, micro_batch: int = 16, test_freq: int = 2, save_freq: int = -1,
-                  seed: int = 0, schedule: str = "sync", local_updates: int = 2) -> list[str]:
-    """verl overrides for a GRPO run of the toy task on the CPU backend (no AMIR keys).
+def toy_grpo_overrides(assets: dict[str, str], workdir: Path, steps: int, n_gpus: int = 1, group_size: int = 8,
+                       prompts_per_step: int = 8, micro_batch: int = 16, test_freq: int = 2, save_freq: int = -1,
+                       seed: int = 0, schedule: str = "sync", local_updates: int = 2) -> list[str]:
+    """The toy task's whole GRPO run on the CPU backend (no AMIR keys): the CPU settings
+    (:func:`amir_verl.cpu.settings.cpu_settings`) and the task's data, model, batch and trainer keys.
 
     ``workdir`` gets the run's checkpoints (``workdir/checkpoints``, every ``save_freq`` steps). ``schedule``
-    is the verl V1 schedule the run's trainer mode runs (:func:`schedule_overrides`)."""
-    return [
+    is the verl V1 schedule the run's trainer mode runs (:func:`amir_verl.cpu.settings.schedule_overrides`)."""
+    return cpu_settings(logical_gpus=n_gpus + (schedule == "separate_async")) + [
         "algorithm.adv_estimator=grpo",
         "algorithm.use_kl_in_reward=False",
         f"data.train_files={assets['train']}",
@@ -67,37 +56,25 @@ def cpu_overrides(assets: dict[str, str], workdir: Path, steps: int, n_gpus: int
         "data.max_response_length=4",
         "data.shuffle=True",
         f"data.seed={seed}",
-        # the rows are read in the trainer's process: worker processes only cost start-up time, and Ray's
-        # shutdown of the TaskRunner used to kill them mid-iteration ("DataLoader worker ... is killed")
-        "data.dataloader_num_workers=0",
         f"actor_rollout_ref.model.path={assets['model']}",
-        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-        "actor_rollout_ref.model.use_remove_padding=False",
-        "actor_rollout_ref.actor.strategy=fsdp2",
-        f"+actor_rollout_ref.actor.fsdp_config.mixed_precision={FP32}",
-        f"+actor_rollout_ref.ref.fsdp_config.mixed_precision={FP32}",
         "actor_rollout_ref.actor.optim.lr=3e-3",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts_per_step}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro_batch}",
         "actor_rollout_ref.actor.kl_loss_coef=0.0",
         "actor_rollout_ref.actor.entropy_coeff=0",
         f"actor_rollout_ref.actor.data_loader_seed={seed}",
-        "actor_rollout_ref.rollout.name=hf",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         f"actor_rollout_ref.rollout.n={group_size}",
         f"actor_rollout_ref.rollout.seed={seed}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro_batch}",
-        "actor_rollout_ref.rollout.agent.num_workers=1",
         "actor_rollout_ref.rollout.val_kwargs.n=4",
         "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
         "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro_batch}",
-        "reward.custom_reward_function.path=pkg://amir_verl.cpu.toy_task",
+        "reward.custom_reward_function.path=pkg://amir_verl.demo.toy_task",
         "reward.custom_reward_function.name=compute_score",
-        "reward.num_workers=1",
         f"trainer.n_gpus_per_node={n_gpus}",
         "trainer.nnodes=1",
-        "trainer.logger=[console]",
         "trainer.project_name=amir_cpu",
         f"trainer.experiment_name={workdir.name}",
         f"trainer.total_training_steps={steps}",
@@ -105,37 +82,7 @@ def cpu_overrides(assets: dict[str, str], workdir: Path, steps: int, n_gpus: int
         f"trainer.save_freq={save_freq}",
         "trainer.val_before_train=True",
         f"trainer.default_local_dir={workdir / 'checkpoints'}",
-        "+ray_kwargs.ray_init.num_cpus=16",  # logical: verl's workers, TransferQueue and reward actors
-        # logical GPUs: verl's resource pools ask for them (separate_async: one more, its standalone rollout's)
-        f"+ray_kwargs.ray_init.num_gpus={n_gpus + (schedule == 'separate_async')}",
-        "+ray_kwargs.ray_init.include_dashboard=False",
-        # a Ray of this run's own: ray.init() would otherwise join the cluster named by RAY_ADDRESS or the
-        # last `ray start` on this machine, and fail there on num_cpus / num_gpus
-        "+ray_kwargs.ray_init.address=local",
-        # one TransferQueue storage actor instead of 8: each is a Python process that takes seconds to start
-        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
     ] + schedule_overrides(schedule, prompts_per_step, local_updates)
-
-
-def schedule_overrides(schedule: str, prompts_per_step: int, local_updates: int = 2) -> list[str]:
-    """What verl's V1 ``schedule`` needs on the CPU backend besides the trainer mode: nothing for ``sync`` and
-    ``colocate_async``; for ``separate_async`` a standalone rollout replica on a logical GPU of its own, its
-    weights through the checkpoint engine ``cpu_object_store``, and ``local_updates`` local updates per step
-    (verl requires train_batch_size = parameter_sync_step x ppo_mini_batch_size)."""
-    if schedule in ("sync", "colocate_async"):
-        return []
-    if schedule != "separate_async":
-        raise ValueError(f"unknown verl V1 schedule {schedule!r}")
-    if prompts_per_step % local_updates:
-        raise ValueError(f"{prompts_per_step} prompts per step do not split into {local_updates} local updates")
-    return [
-        "actor_rollout_ref.rollout.nnodes=1",
-        "actor_rollout_ref.rollout.n_gpus_per_node=1",
-        "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_object_store",
-        f"trainer.v1.separate_async.parameter_sync_step={local_updates}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts_per_step // local_updates}",
-    ]
-
 
 
 # name -> (label, AMIR overrides); both start from the same model, seeds and data order
@@ -152,7 +99,7 @@ def run_overrides(assets: dict[str, str], run_dir: Path, steps: int, seed: int, 
                   extra: list[str] = ()) -> list[str]:
     """One quickstart run's main_ppo overrides: the CPU GRPO run of the toy task validated every
     ``VALIDATION_EVERY`` steps, then the variant's (a :data:`RUNS` entry), then the user's."""
-    return cpu_overrides(assets, run_dir, steps, test_freq=VALIDATION_EVERY, seed=seed) + variant + list(extra)
+    return toy_grpo_overrides(assets, run_dir, steps, test_freq=VALIDATION_EVERY, seed=seed) + variant + list(extra)
 
 
 class QuickstartError(Exception):
@@ -175,7 +122,7 @@ def prepare_workdir(workdir: Path, runs: list[str]) -> None:
     except (ValueError, OSError):
         owner = 0
     if owner and owner != os.getpid() and psutil.pid_exists(owner) and any(
-        "amir_verl.cpu.quickstart" in part for part in _cmdline(owner)
+        "amir_verl.demo.quickstart" in part for part in _cmdline(owner)
     ):
         raise QuickstartError(f"another quickstart (pid {owner}) is running in {workdir}; "
                               "wait for it or give another --workdir")
@@ -197,31 +144,6 @@ def _cmdline(pid: int) -> list[str]:
         return psutil.Process(pid).cmdline()
     except psutil.Error:
         return []
-
-
-_CONSOLE = threading.Lock()
-
-
-class RunProgress:
-    """Reads a run's main_ppo output line by line: metrics to ``metrics.jsonl``, one console line per step."""
-
-    def __init__(self, run: str, run_dir: Path, total_steps: int):
-        self.run, self.total_steps = run, total_steps
-        self.steps: dict[int, dict[str, float]] = {}
-        self._jsonl = open(run_dir / "metrics.jsonl", "w", buffering=1)
-
-    def __call__(self, line: str) -> None:
-        parsed = parse_metrics_line(line)
-        if parsed is None:
-            return
-        step, metrics = parsed
-        self.steps.setdefault(step, {}).update(metrics)
-        self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-        with _CONSOLE:  # runs side by side print from their own reader threads: whole lines only
-            print(progress_line(self.run, step, self.total_steps, metrics), flush=True)
-
-    def close(self) -> None:
-        self._jsonl.close()
 
 
 def write_report(workdir: Path, results: dict[str, dict[int, dict[str, float]]], title: str) -> tuple[str, Path]:

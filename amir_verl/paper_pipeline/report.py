@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from amir_verl.cpu.report import LAMBDA, NUM_PAIRS, REWARD, STEP_TIME
+from amir_verl.metrics import LAMBDA, NUM_PAIRS, PREF_TERM, REWARD, STEP_TIME, format_value
+from amir_verl.paper_pipeline import EVAL_BENCHMARKS, VARIANTS, experiment
 from amir_verl.prompt_filter import PREFIX as FILTER_PREFIX
 
-PREF_TERM = "actor/amir_pref_term"
 VAL_ACC = re.compile(r"^val-core/(?P<source>.+)/acc/mean@\d+$")
 BRIER = re.compile(r"^(?P<run>\S+): Brier \(stated\) (?P<stated>\S+) over \d+\s+Brier \(missing as 1\) (?P<missing>\S+)",
                    re.M)
@@ -24,10 +24,6 @@ CAVEAT = (
     "GRPO: at the recipe's LoRA learning rate a few steps move the policy little, and with 8 samples of one to "
     "four problems per benchmark a difference of one correct response is 3 to 12 points."
 )
-
-
-def _fmt(value, spec: str = ".3f") -> str:
-    return "-" if value is None or value != value else format(value, spec)
 
 
 def validation_by_benchmark(steps: dict[int, dict[str, float]]) -> dict[str, tuple[float | None, float | None]]:
@@ -48,11 +44,11 @@ def training_row(label: str, steps: dict[int, dict[str, float]]) -> dict[str, st
     return {
         "run": label,
         "steps": str(len(trained)),
-        "reward, first -> last step": f"{_fmt(trained[0].get(REWARD))} -> {_fmt(trained[-1].get(REWARD))}" if trained else "-",
+        "reward, first -> last step": f"{format_value(trained[0].get(REWARD))} -> {format_value(trained[-1].get(REWARD))}" if trained else "-",
         "pairs per step": " ".join(map(str, pairs)) or "-",
-        "pref term, last": _fmt(trained[-1].get(PREF_TERM), ".4f") if trained else "-",
-        "lambda, last": _fmt(trained[-1].get(LAMBDA), ".4f") if trained else "-",
-        "step s, median": _fmt(statistics.median(times), ".0f") if times else "-",
+        "pref term, last": format_value(trained[-1].get(PREF_TERM), ".4f") if trained else "-",
+        "lambda, last": format_value(trained[-1].get(LAMBDA), ".4f") if trained else "-",
+        "step s, median": format_value(statistics.median(times), ".0f") if times else "-",
     }
 
 
@@ -79,7 +75,6 @@ def mean_margins(results: Path, base_label: str, amir_label: str) -> dict[str, f
 
 
 def summary(work: Path, pairs: list[tuple[str, str]], metrics: dict, outputs: dict[str, str], size) -> str:
-    from amir_verl.cpu.paper import EVAL_BENCHMARKS, VARIANTS, experiment
 
     parts = [f"## CPU paper pipeline: SmolLM2-135M-Instruct, {size.steps} RL steps of "
              f"{size.prompts_per_step} prompts x 8, responses up to {size.response_tokens} tokens"]
@@ -90,14 +85,14 @@ def summary(work: Path, pairs: list[tuple[str, str]], metrics: dict, outputs: di
         before_after = {label: validation_by_benchmark(metrics[v]) for label, v in zip(labels, (base, amir))}
         sources = sorted(set().union(*before_after.values()))
         table = [{"benchmark": source,
-                  **{f"{label} acc, before -> after": " -> ".join(_fmt(x) for x in before_after[label].get(source, (None, None)))
+                  **{f"{label} acc, before -> after": " -> ".join(format_value(x) for x in before_after[label].get(source, (None, None)))
                      for label in labels}} for source in sources]
         if table:
             parts += [f"### Validation accuracy per benchmark (mean@8), {labels[0]} vs {labels[1]}", _markdown(table)]
         margins = mean_margins(work / "results", *labels)
         briers = {m["run"]: (m["stated"], m["missing"]) for m in BRIER.finditer(outputs.get(f"calibration_{base}", ""))}
         parts.append("\n".join(
-            f"- {label}: preference margin (merged model, amir-eval margin) {_fmt(margins.get(label), '+.4f')}; "
+            f"- {label}: preference margin (merged model, amir-eval margin) {format_value(margins.get(label), '+.4f')}; "
             f"Brier (stated) {briers.get(label, ('-', '-'))[0]}, (missing as 1) {briers.get(label, ('-', '-'))[1]}"
             for label in labels))
     base_log = work / "outputs" / experiment(pairs[0][0]) / "main_ppo.log"

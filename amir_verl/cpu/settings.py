@@ -1,0 +1,61 @@
+"""The settings every verl run on the CPU backend needs, defined once: the demo (:mod:`amir_verl.demo`), the
+paper pipeline (:mod:`amir_verl.paper_pipeline`) and the tests take them from here, and the README points here.
+
+None of them changes the algorithm: the ``hf`` rollout instead of vLLM, float32 and PyTorch's sdpa attention
+instead of bf16 and flash-attention, FSDP2, one worker process where verl would start several, and a Ray of
+the run's own with logical CPUs and GPUs for verl's resource pools.
+"""
+
+from __future__ import annotations
+
+from amir_verl.cpu import ROLLOUT_NAME
+
+FP32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"  # FSDP mixed precision that is not mixed
+SCHEDULES = ("sync", "colocate_async", "separate_async")  # verl's V1 schedules
+
+
+def cpu_settings(logical_gpus: int = 1) -> list[str]:
+    """The overrides of every CPU run (``logical_gpus``: what Ray advertises, one per trainer rank plus
+    ``separate_async``'s standalone rollout)."""
+    return [
+        f"actor_rollout_ref.rollout.name={ROLLOUT_NAME}",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "actor_rollout_ref.model.use_remove_padding=False",
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        f"+actor_rollout_ref.actor.fsdp_config.mixed_precision={FP32}",
+        f"+actor_rollout_ref.ref.fsdp_config.mixed_precision={FP32}",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        # the rows are read in the trainer's process: worker processes only cost start-up time, and Ray's
+        # shutdown of the TaskRunner used to kill them mid-iteration ("DataLoader worker ... is killed")
+        "data.dataloader_num_workers=0",
+        "reward.num_workers=1",
+        "trainer.logger=[console]",
+        "+ray_kwargs.ray_init.num_cpus=16",  # logical: verl's workers, TransferQueue and reward actors
+        f"+ray_kwargs.ray_init.num_gpus={logical_gpus}",  # logical: verl's resource pools ask for them
+        "+ray_kwargs.ray_init.include_dashboard=False",
+        # a Ray of this run's own: ray.init() would otherwise join the cluster named by RAY_ADDRESS or the
+        # last `ray start` on this machine, and fail there on num_cpus / num_gpus
+        "+ray_kwargs.ray_init.address=local",
+        # one TransferQueue storage actor instead of 8: each is a Python process that takes seconds to start
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+    ]
+
+
+def schedule_overrides(schedule: str, prompts_per_step: int, local_updates: int = 2) -> list[str]:
+    """What verl's V1 ``schedule`` needs on the CPU backend besides the trainer mode: nothing for ``sync`` and
+    ``colocate_async``; for ``separate_async`` a standalone rollout replica on a logical GPU of its own, its
+    weights through the checkpoint engine ``cpu_object_store``, and ``local_updates`` local updates per step
+    (verl requires train_batch_size = parameter_sync_step x ppo_mini_batch_size)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown verl V1 schedule {schedule!r}")
+    if schedule != "separate_async":
+        return []
+    if prompts_per_step % local_updates:
+        raise ValueError(f"{prompts_per_step} prompts per step do not split into {local_updates} local updates")
+    return [
+        "actor_rollout_ref.rollout.nnodes=1",
+        "actor_rollout_ref.rollout.n_gpus_per_node=1",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_object_store",
+        f"trainer.v1.separate_async.parameter_sync_step={local_updates}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts_per_step // local_updates}",
+    ]

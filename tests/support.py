@@ -1,0 +1,107 @@
+"""What several test modules share: composing verl's and the recipes' configs, brute-force gradients, verl's
+own dump writer, a tiny tokenizer, verl's dataset loading, a call of the hf server, and a preexec for Ctrl-C
+tests. Test modules import from here, never from each other."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+import verl
+from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+from verl.workers.utils.losses import ppo_loss
+
+from amir_verl.testing import (
+    actor_tensordict,
+    assign_engine_batch_info,
+    brute_force_pref_objective,
+    grads,
+    nested,
+    token_log_probs,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+VERL_CONFIG = Path(verl.__file__).parent / "trainer" / "config"
+
+
+GRPO = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=vllm"]
+
+
+AMIR = ["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "trainer.v1.trainer_mode=amir"]
+
+
+def compose_verl(overrides, config_dir=VERL_CONFIG, name="ppo_trainer"):
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        return compose(config_name=name, overrides=overrides)
+
+
+def whole_batch_base_loss(model, batch, config):
+    """verl's base-mode ppo_loss over the whole step batch in one piece (dp 1, one micro-batch)."""
+    order = list(range(len(batch)))
+    td = actor_tensordict(batch, order)
+    assign_engine_batch_info([td], global_batch_size=len(batch))
+    log_probs = nested([token_log_probs(model, x) for x in td["input_ids"].unbind()])
+    base_loss, _ = ppo_loss(config, {"log_probs": log_probs}, td)
+    return base_loss
+
+
+def brute_force_gradient(model, batch, amir, config, lambda_reg):
+    model.zero_grad()
+    base_loss = whole_batch_base_loss(model, batch, config)
+    j_pref = brute_force_pref_objective(model, batch.ref_log_probs, batch, amir)
+    (base_loss + lambda_reg * (-j_pref)).backward()
+    return grads(model), j_pref.detach(), float(base_loss)
+
+
+def verl_dump(folder, step, lines):
+    """``<folder>/<step>.jsonl`` written by verl's own V1 ``_write_generations``; ``lines`` are dicts with
+    input, output, score and the reward's extra fields (uid included), as verl's ``_validate`` passes them."""
+    keys = list(dict.fromkeys(k for line in lines for k in line))
+    extra = {k: [line.get(k) for line in lines] for k in keys if k not in ("input", "output", "gts", "score")}
+    PPOTrainer._write_generations(
+        inputs=[line["input"] for line in lines], outputs=[line["output"] for line in lines],
+        gts=[line.get("gts", "1") for line in lines], scores=[line["score"] for line in lines],
+        reward_extra_infos_dict=extra, dump_path=str(folder), global_steps=step)
+    return folder / f"{step}.jsonl"
+
+
+def word_tokenizer(folder: Path):
+    """A tiny local tokenizer (one token per whitespace-separated word, all unknown but the specials), so
+    that every fixture prompt stays far under the recipe's max_prompt_length and none is filtered."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "<pad>": 1, "<eos>": 2}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<pad>",
+                                        eos_token="<eos>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def load_like_main_ppo(files, config, tokenizer, is_train):
+    """verl 0.9.1's V1 trainer (trainer_base._init_dataloader): create_rl_dataset, then its collate_fn."""
+    from verl.trainer.ppo.utils import create_rl_dataset
+
+    key = "train_max_samples" if is_train else "val_max_samples"
+    return create_rl_dataset(files, config.data, tokenizer, None, is_train=is_train,
+                             max_samples=config.data.get(key, -1))
+
+
+def sigint_as_from_a_terminal() -> None:
+    """``preexec_fn`` for a process the test will Ctrl-C: SIGINT raises KeyboardInterrupt, as in a terminal.
+    (A test run started in the background, ``pytest ... &``, hands its children SIGINT ignored, and Python
+    keeps an ignored SIGINT ignored, so the signal would never arrive.)"""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def generate(srv, prompt, **params):
+    import asyncio
+
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True, **params}
+    return asyncio.run(srv.generate(prompt_ids=prompt, sampling_params=params, request_id="x"))
