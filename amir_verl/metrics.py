@@ -2,7 +2,7 @@
 public contract, defined once (the trainer logs under these names; the reports and the tests read them).
 
 Each step's ``amir/*`` metrics are the pair statistics (:class:`amir_verl.preference.PreferenceStats`, under
-:data:`PREFIX`) and the lambda controller's (:func:`amir_verl.trainer.lambda_metrics`).
+:data:`PREFIX`) and the lambda controller's (:attr:`amir_verl.step_batch.DriverStep.metrics`).
 """
 
 PREFIX = "amir/"

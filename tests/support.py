@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 import verl
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
@@ -23,6 +24,7 @@ from amir_verl.testing import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
 
 
 VERL_CONFIG = Path(verl.__file__).parent / "trainer" / "config"
@@ -105,3 +107,10 @@ def generate(srv, prompt, **params):
 
     params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True, **params}
     return asyncio.run(srv.generate(prompt_ids=prompt, sampling_params=params, request_id="x"))
+
+
+def compose_recipe(variant, model, extra=()):
+    with initialize_config_dir(config_dir=str(RECIPES / "config"), version_base=None):
+        config = compose(config_name=f"paper_{variant}", overrides=[f"actor_rollout_ref.model.path={model}", *extra])
+    OmegaConf.resolve(config)
+    return config

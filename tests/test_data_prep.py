@@ -16,7 +16,7 @@ from amir_verl.demo.toy_task import make_dataset
 from amir_verl.datasets import ROW_SCHEMA, SOURCES, DataPrepError, prepare
 from amir_verl.reward import compute_score
 from amir_verl.reward.template import INSTRUCTION
-from tests.test_recipes import compose_recipe
+from tests.support import compose_recipe
 from tests.support import load_like_main_ppo, word_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]

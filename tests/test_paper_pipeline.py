@@ -12,7 +12,7 @@ from amir_verl.paper_pipeline.data import raw_record, word_problem, worked_answe
 from amir_verl.datasets import SOURCES, to_row
 from amir_verl.reward import compute_score
 from amir_verl.reward.template import parse_response
-from tests.test_recipes import compose_recipe
+from tests.support import compose_recipe
 
 # Paths of the composed config that define the algorithm: what the overrides must not change. An entry ending
 # in "." or "_" is a prefix; any other is that key and everything under it.
@@ -60,7 +60,7 @@ def differences(a, b, path=""):
 
 @pytest.mark.parametrize("size", list(SIZES))
 @pytest.mark.parametrize("variant", ["grpo", "amir_grpo", "gspo", "amir_gspo"])
-def test_cpu_overrides_touch_no_algorithm_key_of_the_recipe(variant, size, monkeypatch):
+def test_the_pipelines_cpu_overrides_touch_no_algorithm_key_of_the_recipe(variant, size, monkeypatch):
     monkeypatch.setenv("AMIR_OUTPUT", "/tmp/out")
     as_written = OmegaConf.to_container(compose_recipe(variant, "/models/smollm2"))
     on_cpu = OmegaConf.to_container(compose_recipe(variant, "/models/smollm2", [*CPU_OVERRIDES, *SIZES[size].overrides()]))

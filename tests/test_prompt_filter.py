@@ -13,7 +13,7 @@ from amir_verl.paper_pipeline.data import write_raw_datasets
 from amir_verl.datasets import prepare
 from amir_verl.prompt_filter import PREFIX
 from tests.support import load_like_main_ppo, word_tokenizer
-from tests.test_recipes import compose_recipe
+from tests.support import compose_recipe
 
 MAX_PROMPT = 200  # words (the test tokenizer's tokens); a generated prompt has about 90, an over-long one 800
 OVERLONG = {"gsm8k": 2, "aime25": 1, "livemathbench": 3}

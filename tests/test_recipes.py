@@ -21,8 +21,9 @@ from amir_verl.run_config import validate_amir_run
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import validate_config
 
+from tests.support import RECIPES, compose_recipe
+
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = ROOT / "recipes"
 RUN_SH = RECIPES / "paper" / "run.sh"
 MODELS = ["Qwen/Qwen2.5-3B-Instruct", "Qwen/Qwen2.5-7B-Instruct", "google/gemma-3-4b-it"]
 RUN_MODELS = {"qwen2.5-3b": MODELS[0], "qwen2.5-7b": MODELS[1], "gemma-3-4b": MODELS[2]}  # run.sh's names
@@ -35,13 +36,6 @@ def model_overrides(model):
     """What run.sh adds for a model with its own settings (recipes/config/paper_model/MODEL.yaml)."""
     name = {v: k for k, v in RUN_MODELS.items()}.get(model, model)
     return [f"+paper_model={name}"] if (RECIPES / "config" / "paper_model" / f"{name}.yaml").exists() else []
-
-
-def compose_recipe(variant, model, extra=()):
-    with initialize_config_dir(config_dir=str(RECIPES / "config"), version_base=None):
-        config = compose(config_name=f"paper_{variant}", overrides=[f"actor_rollout_ref.model.path={model}", *extra])
-    OmegaConf.resolve(config)
-    return config
 
 
 @pytest.fixture
