@@ -1,8 +1,12 @@
-"""Checks of a whole verl run config for AMIR, run before any worker or model starts.
+AMIR's run-level contract with verl: its loss and trainer modes (the mode table), the overrides that switch a
+GRPO or GSPO run to AMIR (:func:`amir_overrides`), and the checks of a whole run config, run before any worker
+or model starts.
 
-They run twice: on the driver inside verl's ``validate_config`` (wrapped by
-:func:`install_early_config_check`, so ``main_ppo`` stops before Ray starts), and in
-the AMIR trainers' ``__init__`` (for code that builds a trainer without ``main_ppo``).
+The checks run on the driver inside verl's ``validate_config`` (wrapped by :func:`install_early_config_check`,
+so ``main_ppo`` stops before Ray starts): :func:`check_any_run` for every verl run with the plugin installed
+(an attention implementation that cannot load; a LoRA rollout that would never see its adapter), then
+:func:`check_amir_run` for an AMIR run, whose :func:`validate_amir_run` the AMIR trainers' ``__init__`` repeats
+(for code that builds a trainer without ``main_ppo``).
 """
 
 from __future__ import annotations
