@@ -1,4 +1,4 @@
-AMIR's run-level contract with verl: its loss and trainer modes (the mode table), the overrides that switch a
+"""AMIR's run-level contract with verl: its loss and trainer modes (the mode table), the overrides that switch a
 GRPO or GSPO run to AMIR (:func:`amir_overrides`), and the checks of a whole run config, run before any worker
 or model starts.
 

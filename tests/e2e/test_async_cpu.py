@@ -48,9 +48,9 @@ import pytest
 import torch
 
 from tests.e2e.probe import probed
+from tests.e2e.support import BETA, DELTA, pairs_by_definition, pref_objective, response_log_probs, seq_mean
 
 REPO = Path(__file__).resolve().parents[2]
-BETA, DELTA = 0.5, 0.05  # delta below the toy reward's 0.1 for a wrong digit: pairs from step 1 on
 STEPS, GROUP = 3, 8
 RESUMED_AFTER = 2  # the colocate_async run stops after this step and is started again
 HOLD = "4@2"  # HOLD_ENV: 4 requests under the initial weights, each at its 2nd token
@@ -127,36 +127,6 @@ def load_policy(assets, workdir: Path, step: int):
         tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
         assert set(missing) <= tied and not unexpected, (missing, unexpected)
     return model
-
-
-def response_log_probs(model, record: dict, grad: bool = False) -> list[torch.Tensor]:
-    """Each sample's response-token log-probs under ``model`` (temperature 1), one sequence at a time."""
-    out = []
-    with torch.set_grad_enabled(grad):
-        for prompt, response in zip(record["prompts"], record["responses"]):
-            ids = torch.tensor([prompt + response])
-            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-            out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1))
-    return out
-
-
-def pairs_by_definition(record: dict) -> list[tuple[int, int]]:
-    """Every ordered (preferred, rejected) pair of a group with r_i - r_j > DELTA."""
-    rewards = [sum(scores) for scores in record["rm_scores"]]
-    groups = [key.rsplit("_", 2)[0] for key in record["keys"]]
-    return [(i, j) for i in range(len(rewards)) for j in range(len(rewards))
-            if groups[i] == groups[j] and rewards[i] - rewards[j] > DELTA]
-
-
-def seq_mean(token_values: list[torch.Tensor], record: dict) -> torch.Tensor:
-    return torch.stack([(v * torch.tensor(m, dtype=v.dtype)).sum() / sum(m)
-                        for v, m in zip(token_values, record["response_mask"])])
-
-
-def pref_objective(l_theta: torch.Tensor, l_ref: torch.Tensor, pairs) -> torch.Tensor:
-    """J_pref = mean over pairs of log sigmoid(beta * margin)."""
-    return torch.stack([torch.nn.functional.logsigmoid(BETA * ((l_theta[i] - l_ref[i]) - (l_theta[j] - l_ref[j])))
-                        for i, j in pairs]).mean()
 
 
 def versions_of_tokens(rollout: list[float], candidates: dict[int, torch.Tensor]) -> list[int] | None:

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from amir_verl.step_batch import FIELD_REF_SEQ_LOGP
+from tests.e2e.support import BETA, DELTA, pairs_by_definition, pref_objective, response_log_probs, seq_mean
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,7 +47,6 @@ def recipe_lora_overrides() -> list[str]:
     ]
 
 
-BETA, DELTA = 0.5, 0.05  # delta below the toy reward's 0.1 for a wrong digit: pairs from step 1 on
 
 
 def lora_command(assets, workdir: Path, steps: int, amir: list[str]):
@@ -88,35 +88,6 @@ def load_checkpoint(assets, workdir: Path, step: int):
     return model.eval(), state
 
 
-@torch.no_grad()
-def token_log_probs(model, record: dict) -> list[torch.Tensor]:
-    """Each sample's response-token log-probs under ``model`` (temperature 1), one sequence at a time."""
-    out = []
-    for prompt, response in zip(record["prompts"], record["responses"]):
-        ids = torch.tensor([prompt + response])
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-        out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1))
-    return out
-
-
-def seq_mean(token_values, record: dict) -> torch.Tensor:
-    """(N,) length-normalised sums over each response's mask."""
-    return torch.stack([(torch.as_tensor(v) * torch.tensor(m, dtype=torch.float32)).sum() / sum(m)
-                        for v, m in zip(token_values, record["response_mask"])])
-
-
-def brute_force_pref_loss(record: dict, l_theta: torch.Tensor, l_ref: torch.Tensor) -> tuple[float, int]:
-    """-J_pref over every ordered pair of a group with r_i - r_j > DELTA, and the pair count."""
-    rewards = [sum(scores) for scores in record["rm_scores"]]
-    groups = [key.rsplit("_", 2)[0] for key in record["keys"]]
-    terms = [
-        torch.nn.functional.logsigmoid(BETA * ((l_theta[i] - l_ref[i]) - (l_theta[j] - l_ref[j])))
-        for i in range(len(rewards)) for j in range(len(rewards))
-        if groups[i] == groups[j] and rewards[i] - rewards[j] > DELTA
-    ]
-    return -float(torch.stack(terms).mean()), len(terms)
-
-
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b).abs() / b.abs().clamp(min=1e-12)).max())
 
@@ -132,20 +103,20 @@ def check_lora_run_with_reference(assets, workdir: Path, metrics: dict, records:
     worst = 0.0
     for step, record in sorted(records.items()):
         # l_ref AMIR used == the base model without adapter, recomputed here
-        l_ref = seq_mean(token_log_probs(base, record), record)
+        l_ref = seq_mean(response_log_probs(base, record), record)
         used = torch.tensor(record[FIELD_REF_SEQ_LOGP])
         worst = max(worst, relative_error(used, l_ref))
         torch.testing.assert_close(used, l_ref, rtol=1e-5, atol=0.0)
         # the policy at the step's start: the previous step's checkpoint reproduces verl's old log-probs
-        l_theta_tokens = token_log_probs(models[step - 1], record)
+        l_theta_tokens = response_log_probs(models[step - 1], record)
         for mine, verls in zip(l_theta_tokens, record["old_log_probs"]):
             torch.testing.assert_close(mine, torch.tensor(verls), rtol=1e-5, atol=1e-6)
         l_theta = seq_mean(l_theta_tokens, record)
         if step > 1:  # the adapter has moved the policy away from the reference
             assert float((l_theta - l_ref).abs().max()) > 1e-4, step
-        expected, pairs = brute_force_pref_loss(record, l_theta, l_ref)
-        assert metrics[step]["amir/num_pairs"] == pairs > 0
-        assert metrics[step]["amir/pref_loss"] == pytest.approx(expected, rel=1e-5)
+        pairs = pairs_by_definition(record)
+        assert metrics[step]["amir/num_pairs"] == len(pairs) > 0
+        assert metrics[step]["amir/pref_loss"] == pytest.approx(-float(pref_objective(l_theta, l_ref, pairs)), rel=1e-5)
     # the rollout served the trained adapter: its log-probs are the actor's after every update
     assert all(metrics[step]["training/rollout_probs_diff_max"] < 1e-5 for step in records)
     # only adapter weights change: every base tensor is bit-identical after each step
@@ -205,9 +176,10 @@ def test_lora_reference_free_with_merged_adapter_sync(lora_runs):
     for step, record in records.items():
         assert record[FIELD_REF_SEQ_LOGP] == [0.0] * len(record["keys"])
         l_theta = seq_mean([torch.tensor(v) for v in record["old_log_probs"]], record)
-        expected, pairs = brute_force_pref_loss(record, l_theta, torch.zeros_like(l_theta))
-        assert metrics[step]["amir/num_pairs"] == pairs > 0
-        assert metrics[step]["amir/pref_loss"] == pytest.approx(expected, rel=1e-5)
+        pairs = pairs_by_definition(record)
+        assert metrics[step]["amir/num_pairs"] == len(pairs) > 0
+        assert metrics[step]["amir/pref_loss"] == pytest.approx(
+            -float(pref_objective(l_theta, torch.zeros_like(l_theta), pairs)), rel=1e-5)
     # The rollout follows the trained actor: verl hands merged weights over in bfloat16, so the rollout's
     # token probabilities differ from the actor's by rounding, far less than the update moved them from
     # the base model (verl's reference log-probs, which it still computes for the KL loss).
