@@ -1,10 +1,14 @@
 """What several test modules share: composing verl's and the recipes' configs, brute-force gradients, verl's
-own dump writer, a tiny tokenizer, verl's dataset loading, a call of the hf server, and a preexec for Ctrl-C
-tests. Test modules import from here, never from each other."""
+own dump writer, a tiny tokenizer, verl's dataset loading, the README's commands, a call of the hf server,
+probes in fresh interpreters, and a preexec for Ctrl-C tests. Test modules import from here, never from each
+other."""
 
 from __future__ import annotations
 
+import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -25,6 +29,13 @@ from amir_verl.testing import (
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
+README = REPO / "README.md"
+
+
+def readme_commands() -> list[str]:
+    """The command lines of the README's first code block (its two commands: demo, tests)."""
+    block = re.search(r"```bash\n(.*?)```", README.read_text(), re.S)[1]
+    return [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
 VERL_CONFIG = Path(verl.__file__).parent / "trainer" / "config"
@@ -114,3 +125,19 @@ def compose_recipe(variant, model, extra=()):
         config = compose(config_name=f"paper_{variant}", overrides=[f"actor_rollout_ref.model.path={model}", *extra])
     OmegaConf.resolve(config)
     return config
+
+
+class FreshPython:
+    """``python -c code`` in a fresh interpreter (cwd ``/``, environment ``env``), started at once: the probes a
+    module's tests read are started together by a module fixture, so that their imports of verl (seconds of
+    CPU each) overlap instead of queueing."""
+
+    def __init__(self, code: str, env: dict[str, str]):
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env, cwd="/")
+
+    def stdout_lines(self, timeout: float = 600) -> list[str]:
+        """Its stdout's lines, once it has exited 0 (an assertion with its stderr's tail otherwise)."""
+        out, err = self.proc.communicate(timeout=timeout)
+        assert self.proc.returncode == 0, err[-3000:]
+        return out.strip().splitlines()

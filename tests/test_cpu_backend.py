@@ -3,8 +3,6 @@
 import asyncio
 import inspect
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,10 +20,10 @@ from verl.workers.rollout.llm_server import LLMServerClient, LLMServerManager
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from amir_verl.cpu.hf_rollout import HFRolloutServer
-from amir_verl.cpu.platform import REPLAY_BUFFER_POLL_INTERVAL_S
+from amir_verl.cpu.platform import PATCHES, REPLAY_BUFFER_POLL_INTERVAL_S
 from amir_verl.demo.toy_task import compute_score, make_assets, make_rows
 from tests.seams import fingerprint
-from tests.support import generate
+from tests.support import FreshPython, generate
 
 # upstream function -> (sha256 prefix of its verl 0.9.1 source, what the CPU backend relies on)
 CPU_SEAMS = {
@@ -72,13 +70,10 @@ def test_upstream_source_unchanged(name):
     assert fingerprint(obj) == expected, f"verl changed {name} ({why}); re-check amir_verl/cpu"
 
 
-def run_python(code: str, cpu: bool) -> str:
+def probe_env(cpu: bool) -> dict[str, str]:
+    """A fresh interpreter's environment with the CPU switch on or off (and no platform set by hand)."""
     env = {k: v for k, v in os.environ.items() if k not in ("AMIR_VERL_CPU", "VERL_PLATFORM", "VERL_ENGINE_DEVICE")}
-    if cpu:
-        env["AMIR_VERL_CPU"] = "1"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/", timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout.strip().splitlines()[-1]
+    return {**env, "AMIR_VERL_CPU": "1"} if cpu else env
 
 
 PROBE = (
@@ -101,24 +96,33 @@ PROBE = (
 )
 
 
-def test_switch_on_gives_a_cpu_platform_and_the_hf_rollout():
-    assert run_python(PROBE, cpu=True) == (f"cpu gloo True True True True True {REPLAY_BUFFER_POLL_INTERVAL_S} True True")
+# every heavy module the switch must leave to verl to import: the patched ones and the backend's registrations
+LAZY_MODULES = sorted(PATCHES) + ["verl.workers.rollout.base", "verl.workers.rollout.replica", "amir_verl.cpu.hf_rollout",
+                                  "verl.checkpoint_engine.base", "amir_verl.cpu.checkpoint_engine"]
 
 
-def test_switch_off_touches_nothing():
+@pytest.fixture(scope="module")
+def switch_probes() -> dict[str, FreshPython]:
+    """The switch's probes, each in a fresh interpreter, started together."""
+    lazy = f"import sys, verl; print([m for m in {LAZY_MODULES!r} if m in sys.modules])"
+    return {"on": FreshPython(PROBE, probe_env(cpu=True)), "off": FreshPython(PROBE, probe_env(cpu=False)),
+            "lazy": FreshPython(lazy, probe_env(cpu=True))}
+
+
+def test_switch_on_gives_a_cpu_platform_and_the_hf_rollout(switch_probes):
+    assert switch_probes["on"].stdout_lines()[-1] == (
+        f"cpu gloo True True True True True {REPLAY_BUFFER_POLL_INTERVAL_S} True True")
+
+
+def test_switch_off_touches_nothing(switch_probes):
     """Without AMIR_VERL_CPU, verl keeps its own platform detection, patches and registries."""
-    assert run_python(PROBE, cpu=False) == "cuda nccl False False False False False 2.0 False False"
+    assert switch_probes["off"].stdout_lines()[-1] == "cuda nccl False False False False False 2.0 False False"
 
 
-def test_switch_on_leaves_the_patched_modules_to_verl_to_import():
+def test_switch_on_leaves_the_patched_modules_to_verl_to_import(switch_probes):
     """Each Ray process of a run imports verl; the patches wait for their modules, so a process that never
     uses them (load balancer, reward loop, TransferQueue) does not pay their import (about 3 s of CPU)."""
-    from amir_verl.cpu.platform import PATCHES
-
-    heavy = sorted(PATCHES) + ["verl.workers.rollout.base", "verl.workers.rollout.replica", "amir_verl.cpu.hf_rollout",
-                               "verl.checkpoint_engine.base", "amir_verl.cpu.checkpoint_engine"]
-    code = f"import sys, verl; print([m for m in {heavy!r} if m in sys.modules])"
-    assert run_python(code, cpu=True) == "[]"
+    assert switch_probes["lazy"].stdout_lines()[-1] == "[]"
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ The lock is what the README installs from; setup.py keeps open ranges for users 
 environment. These tests fail when the two drift apart: a requirement missing from the lock, a locked version
 outside its range, a locked package nothing needs, or a package whose own requirements the lock does not
 satisfy (walked from setup.py through every installed package's metadata, extras included). CI must run the
-README's commands and nothing else.
+README's test command and nothing else.
 """
 
 import ast
@@ -18,7 +18,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support import REPO, readme_commands
+
 LOCK = REPO / "locks" / "cpu-py311.txt"
 LOCKED_EXTRAS = ("test",)  # the extras the lock covers; `gpu` is not locked (README, Install)
 
@@ -110,19 +111,16 @@ def test_lock_is_exactly_the_closure_of_setup_requirements():
     assert not problems, "\n".join(problems + ["refresh with: bash locks/refresh.sh"])
 
 
-def readme_commands() -> list[str]:
-    """The command lines of the README's first code block (its two commands: demo, tests)."""
-    block = re.search(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S)[1]
-    return [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
-
-
-def test_ci_runs_the_readmes_two_commands_from_the_lock_and_nothing_else():
+def test_ci_runs_the_readmes_test_command_from_the_lock_and_nothing_else():
+    """The README's first block: the demo, then the tests, each installing from the lock. CI runs the second
+    verbatim; the demo runs inside it, verbatim too, as an end-to-end test that checks its table against the
+    README's (tests/e2e/test_main_ppo_cpu.py), so CI trains the demo once."""
     commands = readme_commands()
     assert len(commands) == 2 and "quickstart" in commands[0] and "pytest" in commands[1]
     assert all("-c locks/cpu-py311.txt" in c for c in commands)
     ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
     ci = [line for line in ci if line and not line.startswith("#")]
-    # CI: a fresh venv with the pip it ships, activated, then the README's commands verbatim; no pip upgrade
+    # CI: a fresh venv with the pip it ships, activated, then the README's test command verbatim; no pip upgrade
     assert ci == ["set -euo pipefail", 'cd "$(dirname "$0")/.."', "python3 -m venv .venv", ". .venv/bin/activate",
-                  *commands, ci[-1]]
+                  commands[1], ci[-1]]
     assert ci[-1].startswith("python -c") and "pip" not in ci[-1]

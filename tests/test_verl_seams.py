@@ -24,6 +24,7 @@ from verl.workers.utils import losses
 from verl.workers.utils.padding import no_padding_2_padding
 
 from tests.seams import fingerprint as fingerprint_of
+from tests.support import FreshPython
 import verl.trainer.main_ppo as main_ppo
 import verl.utils.config as verl_config
 
@@ -147,53 +148,58 @@ REGISTERED = ["['amir', 'amir_grpo', 'amir_gspo']", "amir_registry_entry_amir",
               "AmirCalibratedRewardManager"]
 
 
-def run_fresh_python(code: str, **env_overrides: str) -> list[str]:
-    """stdout lines of ``python -c code`` in a fresh interpreter with the installed package and no
-    plugin switches (``VERL_USE_EXTERNAL_*``, ``AMIR_VERL_CPU``) unless given."""
+def fresh_env(**env_overrides: str) -> dict[str, str]:
+    """The environment of a fresh interpreter with the installed package and no plugin switches
+    (``VERL_USE_EXTERNAL_*``, ``AMIR_VERL_CPU``) unless given."""
     import os
-    import subprocess
-    import sys
 
     env = {k: v for k, v in os.environ.items()
            if k not in ("VERL_USE_EXTERNAL_MODULES", "VERL_USE_EXTERNAL_PLUGINS", "AMIR_VERL_CPU")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, **env_overrides},
-                         cwd="/", timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout.strip().splitlines()
+    return {**env, **env_overrides}
 
 
-def test_import_verl_loads_the_plugin_but_not_the_trainer_stack():
+# what each probe runs, in a fresh interpreter: see the test that reads it
+IMPORT_VERL_PROBE = (
+    "import sys, verl\n"
+    f"print([m for m in {REGISTRY_MODULES + AMIR_REGISTERING_MODULES} + ('verl.trainer.ppo.v1.trainer_base',)"
+    " if m in sys.modules])\n"
+    "print('amir_verl.verl_plugin' in sys.modules)\n"
+    + REGISTRY_CHECKS
+    + "import verl.trainer.main_ppo as m\n"
+    "print(getattr(m.validate_config, '_amir_checked', False))\n"
+)
+LOSSES_FIRST_PROBE = "import verl, verl.workers.utils.losses\n" + REGISTRY_CHECKS
+PLUGIN_LAST_PROBE = (
+    "import importlib, sys, verl\n"
+    f"for name in {REGISTRY_MODULES}: importlib.import_module(name)\n"
+    "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY\n"
+    f"print('amir' in POLICY_LOSS_REGISTRY, [m for m in {AMIR_REGISTERING_MODULES} if m in sys.modules])\n"
+    "import amir_verl.verl_plugin\n"
+    + REGISTRY_CHECKS
+)
+
+
+@pytest.fixture(scope="module")
+def fresh_probes() -> dict[str, FreshPython]:
+    return {"import_verl": FreshPython(IMPORT_VERL_PROBE, fresh_env()),
+            "losses_first": FreshPython(LOSSES_FIRST_PROBE, fresh_env()),
+            "plugin_last": FreshPython(PLUGIN_LAST_PROBE, fresh_env(VERL_USE_EXTERNAL_PLUGINS="none"))}
+
+
+def test_import_verl_loads_the_plugin_but_not_the_trainer_stack(fresh_probes):
     """No import of amir_verl, no env var: installing the package is enough (``verl.plugins`` entry point).
     ``import verl`` must stay cheap (every Ray worker pays it): the registries' modules, and the AMIR
     modules that register in them, load only when something imports them."""
-    code = (
-        "import sys, verl\n"
-        f"print([m for m in {REGISTRY_MODULES + AMIR_REGISTERING_MODULES} + ('verl.trainer.ppo.v1.trainer_base',)"
-        " if m in sys.modules])\n"
-        "print('amir_verl.verl_plugin' in sys.modules)\n"
-        + REGISTRY_CHECKS
-        + "import verl.trainer.main_ppo as m\n"
-        "print(getattr(m.validate_config, '_amir_checked', False))\n"
-    )
-    assert run_fresh_python(code)[-7:] == ["[]", "True", *REGISTERED, "True"]
+    assert fresh_probes["import_verl"].stdout_lines()[-7:] == ["[]", "True", *REGISTERED, "True"]
 
 
-def test_loss_modes_register_when_verls_loss_module_imports_core_algos():
+def test_loss_modes_register_when_verls_loss_module_imports_core_algos(fresh_probes):
     """``verl.workers.utils.losses`` imports ``core_algos`` half-way through its own import: the hook must
     not need ``losses`` (the circular import a registration inside amir_verl.actor_loss would hit)."""
-    code = "import verl, verl.workers.utils.losses\n" + REGISTRY_CHECKS
-    assert run_fresh_python(code)[-4:] == REGISTERED
+    assert fresh_probes["losses_first"].stdout_lines()[-4:] == REGISTERED
 
 
-def test_registries_imported_before_the_plugin_get_the_entries_at_once():
+def test_registries_imported_before_the_plugin_get_the_entries_at_once(fresh_probes):
     """With ``AMIR_VERL_CPU=1`` the CPU backend imports the V1 trainer before the hooks exist; a hook on a
     module already imported must register at once. Here verl loads no plugin; the test imports it last."""
-    code = (
-        "import importlib, sys, verl\n"
-        f"for name in {REGISTRY_MODULES}: importlib.import_module(name)\n"
-        "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY\n"
-        f"print('amir' in POLICY_LOSS_REGISTRY, [m for m in {AMIR_REGISTERING_MODULES} if m in sys.modules])\n"
-        "import amir_verl.verl_plugin\n"
-        + REGISTRY_CHECKS
-    )
-    assert run_fresh_python(code, VERL_USE_EXTERNAL_PLUGINS="none")[-5:] == ["False []", *REGISTERED]
+    assert fresh_probes["plugin_last"].stdout_lines()[-5:] == ["False []", *REGISTERED]

@@ -93,6 +93,7 @@ RUNS = {
 MARKER = ".amir_quickstart"  # in a workdir the quickstart made; holds the pid of the quickstart using it
 RUN_TIMEOUT_S = 1200
 VALIDATION_EVERY = 10  # steps; and before training
+DEFAULT_WORKDIR, DEFAULT_STEPS = Path("amir_cpu_quickstart"), 40  # what the README's demo command runs
 
 
 def run_overrides(assets: dict[str, str], run_dir: Path, steps: int, seed: int, variant: list[str],
@@ -154,9 +155,9 @@ def write_report(workdir: Path, results: dict[str, dict[int, dict[str, float]]],
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workdir", type=Path, default=Path("amir_cpu_quickstart"),
+    p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,
                    help="a new or empty folder, or one an earlier quickstart made (its runs are redone)")
-    p.add_argument("--steps", type=int, default=40, help="training steps of each run")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps of each run")
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, from: {', '.join(RUNS)}")
     p.add_argument("--seed", type=int, default=0, help="data order, rollout sampling and actor mini-batches")
     p.add_argument("--timeout", type=float, default=RUN_TIMEOUT_S, help="seconds allowed per run")

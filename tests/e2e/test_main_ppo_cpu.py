@@ -14,18 +14,19 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
 
-from amir_verl.cpu.launch import GRACE_S, LoggedCommand, parse_step_metrics, run_main_ppo
-from amir_verl.demo.quickstart import run_overrides
+from amir_verl.cpu.launch import GRACE_S, LoggedCommand, parse_step_metrics, run_logged, run_main_ppo
+from amir_verl.demo.quickstart import DEFAULT_STEPS, DEFAULT_WORKDIR, run_overrides
 from amir_verl.demo.toy_task import make_assets
 from amir_verl.run_config import amir_overrides
 from tests.e2e.support import GSPO_FLAGS, train, train_command, train_side_by_side
-from tests.support import sigint_as_from_a_terminal
+from tests.support import README, readme_commands, sigint_as_from_a_terminal
 
 pytestmark = pytest.mark.e2e
 
@@ -46,20 +47,22 @@ def assert_same(a: dict, b: dict, keys, steps):
 @pytest.fixture(scope="module")
 def independent_runs(assets, tmp_path_factory) -> dict[str, tuple[Path, dict[int, dict[str, float]]]]:
     """The runs that need nothing from each other, side by side: {run: (its workdir, its metrics by step)}.
-    Each test below builds its run's command next to it; selecting any of those tests runs all four."""
+    Each test below builds its run's command next to it (the resume test's uninterrupted run: RESUME_AMIR); selecting any of those tests runs all five."""
     root = tmp_path_factory.mktemp("runs")
     commands = {**gspo_commands(assets, root), "dp2": dp2_command(assets, root / "dp2"),
-                "calibrated": calibrated_command(assets, root / "calibrated")}
+                "calibrated": calibrated_command(assets, root / "calibrated"),
+                "resume_full": train_command(assets, root / "resume_full", 4, RESUME_AMIR, save_freq=2)}
     metrics = train_side_by_side(commands)
     return {name: (root / name, metrics[name]) for name in commands}
 
 
 def gspo_commands(assets, root: Path) -> dict[str, LoggedCommand]:
+    """One step each: the switch's check is on step 1, where both runs have the same weights and rollouts."""
     return {
-        "gspo": train_command(assets, root / "gspo", 2,
+        "gspo": train_command(assets, root / "gspo", 1,
                               GSPO_FLAGS + ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"]),
         # delta_r 0.05: pairs from step 1, on the toy reward's format credit
-        "amir_gspo": train_command(assets, root / "amir_gspo", 2,
+        "amir_gspo": train_command(assets, root / "amir_gspo", 1,
                                    GSPO_FLAGS + amir_overrides("amir_gspo", reference="ref_free", lambda_rule="fixed",
                                                                lambda_init=0.05, delta_r=0.05)),
     }
@@ -73,21 +76,23 @@ def test_amir_gspo_switch_runs_and_its_base_part_is_gspo(independent_runs):
     assert amir[1]["actor/grad_norm"] != pytest.approx(gspo[1]["actor/grad_norm"], rel=1e-6)  # the term acted
 
 
-def test_resume_restores_lambda_and_continues_identically(assets, tmp_path):
-    amir = amir_overrides("amir_grpo", lambda_init=0.02, lambda_min=0.005, lambda_max=0.5, beta_dpo=0.5,
-                          reference="ref_free")
-    full = train(assets, tmp_path / "full", 4, amir, save_freq=2)
+RESUME_AMIR = amir_overrides("amir_grpo", lambda_init=0.02, lambda_min=0.005, lambda_max=0.5, beta_dpo=0.5,
+                             reference="ref_free")
+
+
+def test_resume_restores_lambda_and_continues_identically(assets, independent_runs, tmp_path):
+    full_dir, full = independent_runs["resume_full"]  # 4 steps, a checkpoint every 2
     lambdas = [full[s]["amir/lambda"] for s in (1, 2, 3, 4)]
     assert len(set(lambdas)) > 1, lambdas  # lambda moved, so restoring it matters
 
     resumed_dir = tmp_path / "resumed"
     (resumed_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "full" / "checkpoints" / "global_step_2", resumed_dir / "checkpoints" / "global_step_2")
+    shutil.copytree(full_dir / "checkpoints" / "global_step_2", resumed_dir / "checkpoints" / "global_step_2")
     (resumed_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
     state = json.loads((resumed_dir / "checkpoints" / "global_step_2" / "amir_state.json").read_text())
     # the controller picks each step's lambda before its update, from the saved value and that step's signal
     assert state["lambda_controller"]["value"] == pytest.approx(full[2]["amir/lambda"])
-    resumed = train(assets, resumed_dir, 4, amir, save_freq=2)
+    resumed = train(assets, resumed_dir, 4, RESUME_AMIR, save_freq=2)
     assert sorted(resumed) == [3, 4]
     assert_same(full, resumed, BASE_METRICS + ["amir/lambda", "amir/pref_loss", "amir/num_pairs"], [3, 4])
 
@@ -159,8 +164,9 @@ def test_two_ranks_two_mini_batches_and_micro_batches_report_the_brute_force_pre
     assert metrics[1]["amir/pref_loss"] == pytest.approx(-float(torch.stack(terms).mean()), rel=1e-4)
 
 
-@pytest.mark.parametrize(
-    "extra,message",
+BAD_CONFIGS = dict(zip(
+    ["unknown-key", "missing-reference", "missing-trainer-mode", "megatron-lora-key-on-fsdp",
+     "flash-attention-missing", "lora-unmerged-through-checkpoint-engine"],
     [
         (["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "trainer.v1.trainer_mode=amir",
           "+amir.bta_dpo=0.1", "actor_rollout_ref.actor.use_kl_loss=True"], r"amir\.bta_dpo"),
@@ -179,14 +185,29 @@ def test_two_ranks_two_mini_batches_and_micro_batches_report_the_brute_force_pre
           "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_object_store"],
          r"verl issue 7495.*lora\.merge=True"),
     ],
-    ids=["unknown-key", "missing-reference", "missing-trainer-mode", "megatron-lora-key-on-fsdp",
-         "flash-attention-missing", "lora-unmerged-through-checkpoint-engine"],
-)
-def test_bad_amir_config_fails_before_training_naming_the_fix(assets, tmp_path, extra, message):
-    with pytest.raises(RuntimeError) as failure:
-        train(assets, tmp_path / "bad", 1, extra)
-    log = (tmp_path / "bad" / "main_ppo.log").read_text()
-    assert re.search(message, str(failure.value) + log)
+))  # {id: (overrides, what the error must say)}
+
+
+@pytest.fixture(scope="module")
+def bad_config_runs(assets, tmp_path_factory) -> dict[str, tuple[int, str]]:
+    """Every bad config's run, side by side, each on its own (one failing must not stop the others):
+    {id: (exit status, its output and log)}."""
+    root = tmp_path_factory.mktemp("bad")
+
+    def launch(name: str) -> tuple[int, str]:
+        command = train_command(assets, root / name, 1, BAD_CONFIGS[name][0])
+        returncode, output = run_logged(command.cmd, command.env, command.log_path, timeout=600)
+        return returncode, output + command.log_path.read_text()
+
+    with ThreadPoolExecutor(len(BAD_CONFIGS)) as pool:
+        return dict(zip(BAD_CONFIGS, pool.map(launch, BAD_CONFIGS)))
+
+
+@pytest.mark.parametrize("name", list(BAD_CONFIGS))
+def test_bad_amir_config_fails_before_training_naming_the_fix(bad_config_runs, name):
+    returncode, log = bad_config_runs[name]
+    assert returncode != 0
+    assert re.search(BAD_CONFIGS[name][1], log)
     assert "step:1" not in log and "Loading weights" not in log  # nothing trained, no model loaded
     assert "ray init kwargs" not in log  # stopped on the driver, before Ray started
 
@@ -219,40 +240,55 @@ def read_jsonl(path: Path) -> dict[int, dict]:
     return {row["step"]: row for row in map(json.loads, path.read_text().splitlines())}
 
 
-def test_quickstart_trains_grpo_then_amir_and_reports_both_on_a_quiet_console(tmp_path):
-    """The demo as a newcomer runs it: exit 0, no traceback anywhere, one console line per step, both runs
-    from the same model, seeds and data order (identical step-1 rollouts), the table and the plot.
+def readme_demo() -> tuple[list[str], int, str]:
+    """The README's demo command (its first code block's first command, after the install), the steps it
+    trains, and the table the README's Quickstart section says it prints."""
+    demo = readme_commands()[0].split("&&")[-1].split()
+    assert demo[:3] == ["python", "-m", "amir_verl.demo.quickstart"], demo
+    section = README.read_text().split("## Quickstart on a CPU", 1)[1]
+    table = re.search(r"^\| run \| steps \|.*?(?=\n\n)", section, re.S | re.M)[0]
+    return [sys.executable, *demo[1:]], DEFAULT_STEPS, table
+
+
+def test_the_readmes_demo_prints_the_readmes_table_on_a_quiet_console_and_its_grpo_is_stock_grpo(tmp_path):
+    """The demo as a newcomer runs it, the README's command verbatim (CI's run of it: ``.ci/run`` runs only the
+    tests): exit 0, no traceback anywhere, one console line per step, both runs from the same model, seeds and
+    data order (identical step-1 rollouts), the plot, and the table the README shows, byte for byte.
 
     Its ``grpo`` run is the AMIR trainer with lambda fixed at 0; stock GRPO with the same overrides (no AMIR
-    keys) matches it step by step, so the demo's GRPO is GRPO and its margin is GRPO's."""
-    workdir, steps = tmp_path / "demo", 3
-    proc = quickstart(workdir, "--steps", str(steps))
+    keys) matches its first 3 steps, so the demo's GRPO is GRPO and its margin is GRPO's."""
+    command, steps, readme_table = readme_demo()
+    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workdir = tmp_path / DEFAULT_WORKDIR
     # stock GRPO beside it, from assets made the same way (the same seeds)
-    assets = make_assets(tmp_path / "stock_assets")
-    stock = parse_step_metrics(run_main_ppo(run_overrides(assets, tmp_path / "stock", steps, 0, GRPO_BASE),
+    assets, stock_steps = make_assets(tmp_path / "stock_assets"), 3
+    stock = parse_step_metrics(run_main_ppo(run_overrides(assets, tmp_path / "stock", stock_steps, 0, GRPO_BASE),
                                             log_path=tmp_path / "stock.log", timeout=900))
-    out, err = proc.communicate(timeout=900)
+    out, err = proc.communicate(timeout=1800)
     assert proc.returncode == 0, err[-3000:] + out[-3000:]
     assert err == "" and "Traceback" not in out
+    step_lines = 0
     for run in ("grpo", "amir_grpo"):
         assert "Traceback" not in (workdir / run / "main_ppo.log").read_text()  # shutdown included
-        step_lines = [line for line in out.splitlines() if line.startswith(f"[{run}] step ")]
-        assert [line.split()[2] for line in step_lines] == [f"{s}/{steps}" for s in range(steps + 1)]
-    assert len(out.splitlines()) < 30  # verl's metric dump went to the logs
+        lines = [line for line in out.splitlines() if line.startswith(f"[{run}] step ")]
+        assert [line.split()[2] for line in lines] == [f"{s}/{steps}" for s in range(steps + 1)]
+        step_lines += len(lines)
+    assert len(out.splitlines()) - step_lines < 22  # verl's metric dump went to the logs
     grpo, amir = (read_jsonl(workdir / run / "metrics.jsonl") for run in ("grpo", "amir_grpo"))
     assert_same(grpo, amir, ["critic/score/mean", "response_length/mean"], [1])  # the same step-1 rollouts
     assert all(grpo[s]["amir/lambda"] == 0.0 < amir[s]["amir/lambda"] for s in range(1, steps + 1))
     assert any(grpo[s]["amir/num_pairs"] > 0 for s in range(1, steps + 1))  # the term was there, weighted 0
     # the hf rollout got the updated weights: its log-probs match the actor's after updates too
     assert all(grpo[s]["training/rollout_probs_diff_max"] < 1e-5 for s in range(2, steps + 1))
-    assert re.search(r"^\| GRPO \| 3 \| .*\n\| AMIR-GRPO \| 3 \| ", out, re.M)
     assert (workdir / "quickstart.png").read_bytes()[:4] == b"\x89PNG"
-    assert (workdir / "summary.md").read_text().strip() in out
+    printed = (workdir / "summary.md").read_text().strip()
+    assert printed in out
+    assert printed == readme_table, f"the demo printed\n{printed}\nthe README shows\n{readme_table}"
 
     for made in ("model/model.safetensors", "data/train.parquet", "data/test.parquet"):
         assert (workdir / made).read_bytes() == (tmp_path / "stock_assets" / made).read_bytes(), made
     assert not any(key.startswith("amir/") for key in stock[1])
-    assert_same(stock, grpo, BASE_METRICS, range(1, steps + 1))
+    assert_same(stock, grpo, BASE_METRICS, range(1, stock_steps + 1))
 
 
 def test_quickstart_ctrl_c_stops_promptly_leaves_nothing_running_and_says_where_the_results_are(tmp_path):
