@@ -22,6 +22,7 @@ from verl.workers.config import ActorConfig
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
+from amir_verl import metrics as metric_names
 from amir_verl.preference import (
     length_normalised_log_probs,
     pair_log_likelihood_per_sequence,
@@ -37,15 +38,6 @@ from amir_verl.step_batch import (
     FIELD_REF_SEQ_LOGP,
     preference_term_weight,
 )
-
-# Per mini-batch, the value of the term in the loss (summed over micro-batches and ranks). verl's
-# reduce_metrics averages a key over the mini-batches, and takes the minimum when the name contains
-# "min": the two keys give the mean and the smallest share an optimizer step received. The third gives
-# the fewest paired sequences an optimizer step held: a step without one rightly receives no share.
-METRIC_PREF_TERM = "amir_pref_term"
-METRIC_PREF_TERM_MIN = "amir_pref_term_min"
-METRIC_PAIRED_SEQUENCES_MIN = "amir_paired_sequences_min"
-
 
 def base_actor_config(config: ActorConfig, base_loss_mode: str) -> ActorConfig:
     """The run's actor config with ``policy_loss.loss_mode`` replaced by the base mode (a copy, with its own
@@ -102,10 +94,10 @@ def amir_ppo_loss(config: ActorConfig, model_output, data: TensorDict, dp_group=
         beta_dpo,
     )
     term = preference_loss_share(f, weight)
-    # SUM: verl averages over ranks and sums over micro-batches, which is the term's value in this
+    # the names' meaning: amir_verl.metrics (ACTOR_PREF_TERM...). SUM: verl averages over ranks and sums over micro-batches, which is the term's value in this
     # optimizer step's loss (the ranks' gradients are averaged the same way).
-    for key in (METRIC_PREF_TERM, METRIC_PREF_TERM_MIN):
+    for key in (metric_names.ACTOR_PREF_TERM, metric_names.ACTOR_PREF_TERM_MIN):
         metrics[key] = Metric(value=term.detach(), aggregation=AggregationType.SUM)
     paired = (partner_sign != 0).any(dim=-1).sum().to(torch.float32)
-    metrics[METRIC_PAIRED_SEQUENCES_MIN] = Metric(value=paired, aggregation=AggregationType.SUM)
+    metrics[metric_names.ACTOR_PAIRED_SEQUENCES_MIN] = Metric(value=paired, aggregation=AggregationType.SUM)
     return loss + term, metrics

@@ -17,10 +17,21 @@ GRAD_SHARE = PREFIX + "grad_share"  # the default lambda rule's signal: the pref
 PG_GRAD_NORM = PREFIX + "pg_grad_norm"
 PREF_GRAD_NORM = PREFIX + "pref_grad_norm"
 LOSS_RATIO = PREFIX + "loss_ratio"
-# the actor's (amir_verl.actor_loss)
-PREF_TERM = "actor/amir_pref_term"  # lambda * (-J_pref) as the actor applied it
+GROUPS_WITHOUT_PAIRS = PREFIX + "groups_without_pairs"
+# the actor's (amir_verl.actor_loss returns them under these names; verl's actor logs them under ACTOR). Per
+# mini-batch, the value of the term in the loss (summed over micro-batches and ranks): verl's reduce_metrics
+# averages a key over the mini-batches and takes the minimum when the name contains "min", so the first two give
+# the mean and the smallest share an optimizer step received; the third the fewest paired sequences an optimizer
+# step held (a step without one rightly receives no share).
+ACTOR = "actor/"
+ACTOR_PREF_TERM = "amir_pref_term"  # lambda * (-J_pref) as the actor applied it
+ACTOR_PREF_TERM_MIN = "amir_pref_term_min"
+ACTOR_PAIRED_SEQUENCES_MIN = "amir_paired_sequences_min"
+PREF_TERM, PREF_TERM_MIN, PAIRED_SEQUENCES_MIN = (ACTOR + name for name in (
+    ACTOR_PREF_TERM, ACTOR_PREF_TERM_MIN, ACTOR_PAIRED_SEQUENCES_MIN))
 # verl's
 REWARD = "critic/score/mean"
+ROLLOUT_PROBS_DIFF_MAX = "training/rollout_probs_diff_max"  # rollout's log-probs against the actor's
 STEP_TIME = "timing_s/step"
 
 

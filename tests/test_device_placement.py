@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 import amir_verl
 from amir_verl.config import AmirConfig
+from amir_verl.metrics import ACTOR_PREF_TERM
 from amir_verl.preference import (
     PreferencePairs,
     dpo_logits,
@@ -283,7 +284,7 @@ def test_the_actor_loss_makes_every_tensor_on_its_inputs_device_and_is_float32_f
             loss, metrics = loss_fn(model_output={"log_probs": log_probs}, data=td)
         assert mode.redirected == []
         assert loss.device.type == "cpu" and shares[-1].device.type == "cpu"
-        assert metrics[actor_loss.METRIC_PREF_TERM].values[0] == float(shares[-1])
+        assert metrics[ACTOR_PREF_TERM].values[0] == float(shares[-1])
     bf16_share, fp32_share = shares
     assert bf16_share.dtype == torch.float32
     assert torch.equal(bf16_share, fp32_share) and float(bf16_share) != 0.0

@@ -22,6 +22,7 @@ from amir_verl.cpu.launch import (
 from amir_verl.cpu.progress import progress_line, validation_accuracy
 from amir_verl.demo.quickstart import MARKER, QuickstartError, main, prepare_workdir
 from amir_verl.demo.report import moving_average, plot_runs, summary_rows, summary_table
+from amir_verl.metrics import GRAD_SHARE, LAMBDA, MARGIN, NUM_PAIRS, PAIR_ACCURACY, REWARD, STEP_TIME
 from tests.support import sigint_as_from_a_terminal
 
 PY = sys.executable
@@ -169,11 +170,11 @@ def test_main_ppo_failed_carries_the_reason_and_log(tmp_path):
 
 def test_parse_metrics_reads_verls_console_lines():
     line = "(TaskRunnerV1 pid=1) step:3 - critic/score/mean:np.float64(0.25) - amir/lambda:0.5 - tag:abc"
-    assert parse_metrics_line(line) == (3, {"critic/score/mean": 0.25, "amir/lambda": 0.5})
+    assert parse_metrics_line(line) == (3, {REWARD: 0.25, LAMBDA: 0.5})
     assert parse_metrics_line("step:x - a:1") is None and parse_metrics_line("nothing here") is None
     output = "step:0 - val-core/t/acc/mean@4:0.1\n" + line + "\nstep:3 - timing_s/step:1.5\n"
     assert parse_step_metrics(output) == {0: {"val-core/t/acc/mean@4": 0.1},
-                                          3: {"critic/score/mean": 0.25, "amir/lambda": 0.5, "timing_s/step": 1.5}}
+                                          3: {REWARD: 0.25, LAMBDA: 0.5, STEP_TIME: 1.5}}
 
 
 # ---- report ----------------------------------------------------------------------------------------------
@@ -182,10 +183,10 @@ def fake_run(rewards, accuracies, margin_last, lam):
     """Metrics of a run whose step s has reward rewards[s-1]; validations at the steps of ``accuracies``."""
     steps = {0: {"val-core/toy/acc/mean@4": accuracies[0]}}
     for step, reward in enumerate(rewards, 1):
-        steps[step] = {"critic/score/mean": reward, "amir/margin": 0.0, "amir/pair_accuracy": 0.5,
-                       "amir/num_pairs": 4.0, "amir/lambda": lam, "amir/grad_share": 0.2, "timing_s/step": 1.0}
-    steps[1].update({"amir/num_pairs": 0.0, "amir/margin": 0.0, "amir/pair_accuracy": 0.0})  # no pairs: verl logs 0
-    steps[len(rewards)]["amir/margin"] = margin_last
+        steps[step] = {REWARD: reward, MARGIN: 0.0, PAIR_ACCURACY: 0.5,
+                       NUM_PAIRS: 4.0, LAMBDA: lam, GRAD_SHARE: 0.2, STEP_TIME: 1.0}
+    steps[1].update({NUM_PAIRS: 0.0, MARGIN: 0.0, PAIR_ACCURACY: 0.0})  # no pairs: verl logs 0
+    steps[len(rewards)][MARGIN] = margin_last
     steps[len(rewards)]["val-core/toy/acc/mean@4"] = accuracies[1]
     return steps
 

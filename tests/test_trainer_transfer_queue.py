@@ -44,10 +44,11 @@ from amir_verl.testing import (
     tiny_model,
     token_log_probs,
 )
+from amir_verl.metrics import GRAD_SHARE, GROUPS_WITHOUT_PAIRS, LAMBDA, NUM_PAIRS, PG_GRAD_NORM, PREF_GRAD_NORM, PREF_LOSS
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
-LAMBDA = 0.5
+FIXED_LAMBDA = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def make_trainer(overrides):
         + ["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "trainer.v1.trainer_mode=amir",
            "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.rollout.n=1",
            "actor_rollout_ref.actor.ppo_mini_batch_size=24", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
-           "+amir.lambda_rule=fixed", f"+amir.lambda_init={LAMBDA}"]
+           "+amir.lambda_rule=fixed", f"+amir.lambda_init={FIXED_LAMBDA}"]
         + overrides
     )
     OmegaConf.resolve(config)
@@ -121,20 +122,20 @@ def test_compute_advantage_then_actor_update_is_exact(transfer_queue, reference)
     metrics = {}
     meta = trainer._compute_advantage(meta, metrics)
 
-    assert metrics["amir/lambda"] == LAMBDA
-    assert metrics["amir/num_pairs"] > 0
-    assert metrics["amir/groups_without_pairs"] >= 1  # the group of one
+    assert metrics[LAMBDA] == FIXED_LAMBDA
+    assert metrics[NUM_PAIRS] > 0
+    assert metrics[GROUPS_WITHOUT_PAIRS] >= 1  # the group of one
     extra = meta.extra_info
     assert (extra[EXTRA_LAMBDA], extra[EXTRA_NUM_PAIRS], extra[EXTRA_NUM_MINI_BATCHES]) == (
-        LAMBDA, metrics["amir/num_pairs"], 1)
-    assert metrics["amir/pg_grad_norm"] > 0 and metrics["amir/pref_grad_norm"] > 0
-    assert metrics["amir/grad_share"] == pytest.approx(
-        metrics["amir/pref_grad_norm"] / (metrics["amir/pg_grad_norm"] + metrics["amir/pref_grad_norm"]))
+        FIXED_LAMBDA, metrics[NUM_PAIRS], 1)
+    assert metrics[PG_GRAD_NORM] > 0 and metrics[PREF_GRAD_NORM] > 0
+    assert metrics[GRAD_SHARE] == pytest.approx(
+        metrics[PREF_GRAD_NORM] / (metrics[PG_GRAD_NORM] + metrics[PREF_GRAD_NORM]))
     # the workers' view (verl's tqbridge): the fields the returned meta lists, plus its extra_info
     assert FIELD_PARTNER_SCORE in meta.fields and "advantages" in meta.fields
     actor_batch = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=meta.fields)
-    expected, j_pref, _ = brute_force_gradient(model, batch, trainer.amir, actor_config("vanilla"), LAMBDA)
-    assert metrics["amir/pref_loss"] == pytest.approx(-float(j_pref), rel=1e-6)
+    expected, j_pref, _ = brute_force_gradient(model, batch, trainer.amir, actor_config("vanilla"), FIXED_LAMBDA)
+    assert metrics[PREF_LOSS] == pytest.approx(-float(j_pref), rel=1e-6)
 
     loss_fn = partial(amir_ppo_loss, config=actor_config("vanilla"), beta_dpo=0.5)
     model.zero_grad()
@@ -175,10 +176,10 @@ def test_lambda_measurement_applies_verls_importance_weights(transfer_queue):
     advantages = stored["advantages"].to_padded_tensor(0.0).double() * mask
     with_weights = float((advantages * weights).norm() / mask.sum())
     without_weights = float(advantages.norm() / mask.sum())
-    assert metrics["amir/pg_grad_norm"] == pytest.approx(with_weights, rel=1e-5)
+    assert metrics[PG_GRAD_NORM] == pytest.approx(with_weights, rel=1e-5)
     assert without_weights != pytest.approx(with_weights, rel=1e-2)
-    assert metrics["amir/grad_share"] == pytest.approx(
-        metrics["amir/pref_grad_norm"] / (with_weights + metrics["amir/pref_grad_norm"]), rel=1e-5)
+    assert metrics[GRAD_SHARE] == pytest.approx(
+        metrics[PREF_GRAD_NORM] / (with_weights + metrics[PREF_GRAD_NORM]), rel=1e-5)
 
 
 # ---------------------------------------------------------------- off-policy step batches (async schedules)
@@ -226,13 +227,13 @@ def test_an_off_policy_batch_gives_the_exact_gradient_at_the_current_weights(tra
     trainer = make_trainer(["algorithm.rollout_correction.rollout_is=token", "+amir.beta_dpo=0.5"])
     metrics = {}
     meta = trainer._compute_advantage(meta, metrics)
-    assert metrics["amir/num_pairs"] > 0
+    assert metrics[NUM_PAIRS] > 0
 
     weights = [(old - r).exp().clamp(max=2.0) for old, r in zip(batch.old_log_probs, rollout)]  # verl's "token" TIS
     assert max(float((w - 1).abs().max()) for w in weights) > 0.3
     expected, j_pref = brute_force_weighted_gradient(model, batch, weights, trainer.amir, actor_config("vanilla"),
-                                                     LAMBDA)
-    assert metrics["amir/pref_loss"] == pytest.approx(-j_pref, rel=1e-6)
+                                                     FIXED_LAMBDA)
+    assert metrics[PREF_LOSS] == pytest.approx(-j_pref, rel=1e-6)
     actor_batch = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=meta.fields)
     model.zero_grad()
     run_actor_update(model, batch, partial(amir_ppo_loss, config=actor_config("vanilla"), beta_dpo=0.5),
@@ -254,11 +255,11 @@ def test_which_policy_generated_a_batch_changes_only_the_policy_gradients_weight
                                  select_fields=[FIELD_PARTNER_SCORE, FIELD_PARTNER_SIGN, FIELD_REF_SEQ_LOGP])
         runs[name] = metrics, {k: v.to_padded_tensor(0.0) if v.is_nested else v for k, v in fields.items()}
     (off, off_fields), (on, on_fields) = runs["off"], runs["on"]
-    for key in ("amir/num_pairs", "amir/pref_loss", "amir/pref_grad_norm"):
+    for key in (NUM_PAIRS, PREF_LOSS, PREF_GRAD_NORM):
         assert off[key] == on[key], key
     for key in off_fields.keys():
         assert torch.equal(off_fields[key], on_fields[key]), key
-    assert off["amir/pg_grad_norm"] != pytest.approx(on["amir/pg_grad_norm"], rel=1e-3)
+    assert off[PG_GRAD_NORM] != pytest.approx(on[PG_GRAD_NORM], rel=1e-3)
 
 
 def test_no_reference_in_store_fails_clearly(transfer_queue):

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from amir_verl.metrics import PREFIX
+
 PROBE_DIR_ENV = "AMIR_TEST_PROBE_DIR"
 PROBE_FIELDS = ["prompts", "responses", "response_mask", "rm_scores", "old_log_probs", "ref_log_prob",
                 "rollout_log_probs", "advantages", "rollout_is_weights", "amir_ref_seq_logp", "amir_partner_score",
@@ -49,7 +51,7 @@ def _record_calls(trainer_cls, folder: Path) -> None:
         record = {name: _as_lists(data[name]) for name in PROBE_FIELDS if name in data.keys()}
         record["keys"] = list(batch.keys)
         record["tags"] = [dict(tag) for tag in batch.tags]
-        record["metrics"] = {k: float(v) for k, v in metrics.items() if k.startswith("amir/")}
+        record["metrics"] = {k: float(v) for k, v in metrics.items() if k.startswith(PREFIX)}
         record["extra_info"] = {k: v for k, v in batch.extra_info.items() if k.startswith("amir_")}
         torch.save(record, _record_file(folder, self, "step"))
         return batch

@@ -47,6 +47,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from amir_verl.metrics import LAMBDA, NUM_PAIRS, PG_GRAD_NORM, PREF_LOSS, PREF_TERM
 from tests.e2e.probe import probed
 from tests.e2e.support import BETA, DELTA, pairs_by_definition, pref_objective, response_log_probs, seq_mean
 
@@ -171,9 +172,9 @@ def check_update(record: dict, actor: dict, policies: dict, step: int, prompts: 
     l_ref = seq_mean(response_log_probs(policies[0], record), record)  # verl's reference: the initial model
     torch.testing.assert_close(torch.tensor(record["amir_ref_seq_logp"]), l_ref, rtol=1e-5, atol=1e-6)
     pairs = pairs_by_definition(record)
-    assert metrics["amir/num_pairs"] == len(pairs) > 0
-    assert metrics["amir/pref_loss"] == pytest.approx(-float(pref_objective(l_old, l_ref, pairs)), rel=1e-5)
-    lambda_reg = metrics["amir/lambda"]
+    assert metrics[NUM_PAIRS] == len(pairs) > 0
+    assert metrics[PREF_LOSS] == pytest.approx(-float(pref_objective(l_old, l_ref, pairs)), rel=1e-5)
+    lambda_reg = metrics[LAMBDA]
     assert record["extra_info"]["amir_num_mini_batches"] == 1
 
     # the driver's pg gradient norm at ratio 1, with the IS weights
@@ -181,11 +182,11 @@ def check_update(record: dict, actor: dict, policies: dict, step: int, prompts: 
     tokens = sum(float(m.sum()) for m in masks)
     driver = torch.sqrt(sum(((torch.tensor(adv) * torch.tensor(weight) * mask) ** 2).sum()
                             for adv, weight, mask in zip(record["advantages"], record["rollout_is_weights"], masks)))
-    assert metrics["amir/pg_grad_norm"] == pytest.approx(float(driver) / tokens, rel=1e-5)
+    assert metrics[PG_GRAD_NORM] == pytest.approx(float(driver) / tokens, rel=1e-5)
     if not exact_gradient:  # the anchored surrogate: own scores live at the update's weights, partners at pi_old
-        assert actor["actor/amir_pref_term"] != pytest.approx(lambda_reg * metrics["amir/pref_loss"], rel=1e-5)
+        assert actor[PREF_TERM] != pytest.approx(lambda_reg * metrics[PREF_LOSS], rel=1e-5)
         return spliced, stale
-    assert actor["actor/amir_pref_term"] == pytest.approx(lambda_reg * metrics["amir/pref_loss"], rel=1e-5)
+    assert actor[PREF_TERM] == pytest.approx(lambda_reg * metrics[PREF_LOSS], rel=1e-5)
     # the actor's gradient at the checkpoint, over the recorded batch
     model = policies[step - 1]
     model.zero_grad()
@@ -222,7 +223,7 @@ def test_amir_matches_brute_force_on_recorded_batches_that_crossed_weight_syncs(
     assert held > 0 and spliced > 0 and stale > 0
     for step in range(1, STEPS + 1):
         calls = [records[step, j][0] for j in range(local_updates)]
-        for key in ("amir/num_pairs", "amir/pref_loss", "amir/lambda"):  # verl's MetricsAggregator: the mean
+        for key in (NUM_PAIRS, PREF_LOSS, LAMBDA):  # verl's MetricsAggregator: the mean
             expected = sum(call["metrics"][key] for call in calls) / local_updates
             assert console[step][key] == pytest.approx(expected, rel=1e-6), (step, key)
         state = json.loads((workdir / "checkpoints" / f"global_step_{step}" / "amir_state.json").read_text())

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from amir_verl.metrics import NUM_PAIRS, PREF_LOSS, ROLLOUT_PROBS_DIFF_MAX
 from amir_verl.step_batch import FIELD_REF_SEQ_LOGP
 from tests.e2e.support import BETA, DELTA, pairs_by_definition, pref_objective, response_log_probs, seq_mean
 
@@ -115,10 +116,10 @@ def check_lora_run_with_reference(assets, workdir: Path, metrics: dict, records:
         if step > 1:  # the adapter has moved the policy away from the reference
             assert float((l_theta - l_ref).abs().max()) > 1e-4, step
         pairs = pairs_by_definition(record)
-        assert metrics[step]["amir/num_pairs"] == len(pairs) > 0
-        assert metrics[step]["amir/pref_loss"] == pytest.approx(-float(pref_objective(l_theta, l_ref, pairs)), rel=1e-5)
+        assert metrics[step][NUM_PAIRS] == len(pairs) > 0
+        assert metrics[step][PREF_LOSS] == pytest.approx(-float(pref_objective(l_theta, l_ref, pairs)), rel=1e-5)
     # the rollout served the trained adapter: its log-probs are the actor's after every update
-    assert all(metrics[step]["training/rollout_probs_diff_max"] < 1e-5 for step in records)
+    assert all(metrics[step][ROLLOUT_PROBS_DIFF_MAX] < 1e-5 for step in records)
     # only adapter weights change: every base tensor is bit-identical after each step
     for step, state in states.items():
         for name, tensor in state.items():
@@ -177,15 +178,15 @@ def test_lora_reference_free_with_merged_adapter_sync(lora_runs):
         assert record[FIELD_REF_SEQ_LOGP] == [0.0] * len(record["keys"])
         l_theta = seq_mean([torch.tensor(v) for v in record["old_log_probs"]], record)
         pairs = pairs_by_definition(record)
-        assert metrics[step]["amir/num_pairs"] == len(pairs) > 0
-        assert metrics[step]["amir/pref_loss"] == pytest.approx(
+        assert metrics[step][NUM_PAIRS] == len(pairs) > 0
+        assert metrics[step][PREF_LOSS] == pytest.approx(
             -float(pref_objective(l_theta, torch.zeros_like(l_theta), pairs)), rel=1e-5)
     # The rollout follows the trained actor: verl hands merged weights over in bfloat16, so the rollout's
     # token probabilities differ from the actor's by rounding, far less than the update moved them from
     # the base model (verl's reference log-probs, which it still computes for the KL loss).
     moved = max(float((torch.tensor(old).exp() - torch.tensor(ref).exp()).abs().max())
                 for old, ref in zip(records[2]["old_log_probs"], records[2]["ref_log_prob"]))
-    assert metrics[2]["training/rollout_probs_diff_max"] < moved / 10, moved
+    assert metrics[2][ROLLOUT_PROBS_DIFF_MAX] < moved / 10, moved
 
 
 # ---- the hf rollout's adapter sync, without main_ppo ----------------------------------------------------

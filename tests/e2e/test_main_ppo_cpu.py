@@ -25,6 +25,7 @@ from amir_verl.cpu.launch import GRACE_S, LoggedCommand, parse_step_metrics, run
 from amir_verl.demo.quickstart import DEFAULT_STEPS, DEFAULT_WORKDIR, run_overrides
 from amir_verl.demo.toy_task import make_assets
 from amir_verl.run_config import amir_overrides
+from amir_verl.metrics import LAMBDA, NUM_PAIRS, PAIRED_SEQUENCES_MIN, PREFIX, PREF_LOSS, PREF_TERM, PREF_TERM_MIN, REWARD, ROLLOUT_PROBS_DIFF_MAX
 from tests.e2e.support import GSPO_FLAGS, train, train_command, train_side_by_side
 from tests.support import README, readme_commands, sigint_as_from_a_terminal
 
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.e2e
 
 GRPO_BASE = ["actor_rollout_ref.actor.use_kl_loss=True"]
 BASE_METRICS = ["actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl",
-                "critic/score/mean", "critic/advantages/mean", "response_length/mean"]
+                REWARD, "critic/advantages/mean", "response_length/mean"]
 
 
 def assert_same(a: dict, b: dict, keys, steps):
@@ -71,8 +72,8 @@ def gspo_commands(assets, root: Path) -> dict[str, LoggedCommand]:
 def test_amir_gspo_switch_runs_and_its_base_part_is_gspo(independent_runs):
     (_, gspo), (_, amir) = independent_runs["gspo"], independent_runs["amir_gspo"]
     # step 1: same weights and rollouts, so the policy-gradient part (actor/pg_loss) is GSPO's
-    assert_same(gspo, amir, ["actor/pg_loss", "critic/score/mean", "actor/pg_clipfrac"], [1])
-    assert amir[1]["amir/num_pairs"] > 0 and amir[1]["amir/lambda"] == 0.05
+    assert_same(gspo, amir, ["actor/pg_loss", REWARD, "actor/pg_clipfrac"], [1])
+    assert amir[1][NUM_PAIRS] > 0 and amir[1][LAMBDA] == 0.05
     assert amir[1]["actor/grad_norm"] != pytest.approx(gspo[1]["actor/grad_norm"], rel=1e-6)  # the term acted
 
 
@@ -82,7 +83,7 @@ RESUME_AMIR = amir_overrides("amir_grpo", lambda_init=0.02, lambda_min=0.005, la
 
 def test_resume_restores_lambda_and_continues_identically(assets, independent_runs, tmp_path):
     full_dir, full = independent_runs["resume_full"]  # 4 steps, a checkpoint every 2
-    lambdas = [full[s]["amir/lambda"] for s in (1, 2, 3, 4)]
+    lambdas = [full[s][LAMBDA] for s in (1, 2, 3, 4)]
     assert len(set(lambdas)) > 1, lambdas  # lambda moved, so restoring it matters
 
     resumed_dir = tmp_path / "resumed"
@@ -91,10 +92,10 @@ def test_resume_restores_lambda_and_continues_identically(assets, independent_ru
     (resumed_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
     state = json.loads((resumed_dir / "checkpoints" / "global_step_2" / "amir_state.json").read_text())
     # the controller picks each step's lambda before its update, from the saved value and that step's signal
-    assert state["lambda_controller"]["value"] == pytest.approx(full[2]["amir/lambda"])
+    assert state["lambda_controller"]["value"] == pytest.approx(full[2][LAMBDA])
     resumed = train(assets, resumed_dir, 4, RESUME_AMIR, save_freq=2)
     assert sorted(resumed) == [3, 4]
-    assert_same(full, resumed, BASE_METRICS + ["amir/lambda", "amir/pref_loss", "amir/num_pairs"], [3, 4])
+    assert_same(full, resumed, BASE_METRICS + [LAMBDA, PREF_LOSS, NUM_PAIRS], [3, 4])
 
 
 DP2_BETA, DP2_DELTA, DP2_LAMBDA = 0.5, 0.05, 0.05  # pairs from step 1 on the toy reward's format credit
@@ -132,11 +133,11 @@ def test_two_ranks_two_mini_batches_and_micro_batches_report_the_brute_force_pre
     workdir, metrics = independent_runs["dp2"]
     beta, delta, lam, dump = DP2_BETA, DP2_DELTA, DP2_LAMBDA, workdir / "rollouts"
     m = metrics[1]
-    assert m["amir/num_pairs"] > 0
+    assert m[NUM_PAIRS] > 0
     assert "AMIR: 2 mini-batch(es) x 1 epoch(s) per step" in (workdir / "main_ppo.log").read_text()
-    assert m["amir/lambda"] == lam
-    assert (m["actor/amir_pref_term_min"] > 0) == (m["actor/amir_paired_sequences_min"] > 0)
-    assert m["actor/amir_pref_term"] == pytest.approx(lam * m["amir/pref_loss"], rel=0.15)
+    assert m[LAMBDA] == lam
+    assert (m[PREF_TERM_MIN] > 0) == (m[PAIRED_SEQUENCES_MIN] > 0)
+    assert m[PREF_TERM] == pytest.approx(lam * m[PREF_LOSS], rel=0.15)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(assets["model"])
@@ -160,8 +161,8 @@ def test_two_ranks_two_mini_batches_and_micro_batches_report_the_brute_force_pre
         for rj, lj in members
         if ri - rj > delta
     ]
-    assert len(terms) == metrics[1]["amir/num_pairs"]
-    assert metrics[1]["amir/pref_loss"] == pytest.approx(-float(torch.stack(terms).mean()), rel=1e-4)
+    assert len(terms) == metrics[1][NUM_PAIRS]
+    assert metrics[1][PREF_LOSS] == pytest.approx(-float(torch.stack(terms).mean()), rel=1e-4)
 
 
 BAD_CONFIGS = dict(zip(
@@ -226,7 +227,7 @@ def test_calibrated_reward_manager_runs_in_verls_reward_loop(independent_runs):
     there too) and its extra fields reach validation. RAY_ADDRESS names a Ray that does not exist: the
     CPU overrides start the run's own Ray anyway."""
     _, metrics = independent_runs["calibrated"]
-    assert metrics[1]["critic/score/mean"] >= 0.0  # the toy model never writes the template: score ~0
+    assert metrics[1][REWARD] >= 0.0  # the toy model never writes the template: score ~0
     keys = set(metrics[1])
     assert any(k.endswith("/brier/mean@4") for k in keys) and any(k.endswith("/format/mean@4") for k in keys)
 
@@ -275,11 +276,11 @@ def test_the_readmes_demo_prints_the_readmes_table_on_a_quiet_console_and_its_gr
         step_lines += len(lines)
     assert len(out.splitlines()) - step_lines < 22  # verl's metric dump went to the logs
     grpo, amir = (read_jsonl(workdir / run / "metrics.jsonl") for run in ("grpo", "amir_grpo"))
-    assert_same(grpo, amir, ["critic/score/mean", "response_length/mean"], [1])  # the same step-1 rollouts
-    assert all(grpo[s]["amir/lambda"] == 0.0 < amir[s]["amir/lambda"] for s in range(1, steps + 1))
-    assert any(grpo[s]["amir/num_pairs"] > 0 for s in range(1, steps + 1))  # the term was there, weighted 0
+    assert_same(grpo, amir, [REWARD, "response_length/mean"], [1])  # the same step-1 rollouts
+    assert all(grpo[s][LAMBDA] == 0.0 < amir[s][LAMBDA] for s in range(1, steps + 1))
+    assert any(grpo[s][NUM_PAIRS] > 0 for s in range(1, steps + 1))  # the term was there, weighted 0
     # the hf rollout got the updated weights: its log-probs match the actor's after updates too
-    assert all(grpo[s]["training/rollout_probs_diff_max"] < 1e-5 for s in range(2, steps + 1))
+    assert all(grpo[s][ROLLOUT_PROBS_DIFF_MAX] < 1e-5 for s in range(2, steps + 1))
     assert (workdir / "quickstart.png").read_bytes()[:4] == b"\x89PNG"
     printed = (workdir / "summary.md").read_text().strip()
     assert printed in out
@@ -287,7 +288,7 @@ def test_the_readmes_demo_prints_the_readmes_table_on_a_quiet_console_and_its_gr
 
     for made in ("model/model.safetensors", "data/train.parquet", "data/test.parquet"):
         assert (workdir / made).read_bytes() == (tmp_path / "stock_assets" / made).read_bytes(), made
-    assert not any(key.startswith("amir/") for key in stock[1])
+    assert not any(key.startswith(PREFIX) for key in stock[1])
     assert_same(stock, grpo, BASE_METRICS, range(1, stock_steps + 1))
 
 

@@ -34,6 +34,7 @@ from amir_verl.paper_pipeline import MODEL_NAME
 from amir_verl.paper_pipeline.pipeline import CPU_OVERRIDES, SIZES
 from amir_verl.datasets import ROW_SCHEMA
 from amir_verl.evaluation.passk import DISPLAY_NAMES
+from amir_verl.metrics import NUM_PAIRS, PREF_LOSS, PREF_TERM
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -125,20 +126,20 @@ def test_amir_acts_and_its_logged_pairs_and_loss_match_the_rollout_dump(pipeline
     steps = metrics(work, "amir_grpo")
     trained = [s for s in sorted(steps) if s > 0]
     assert trained == list(range(1, SIZE.steps + 1))
-    assert sum(steps[s]["amir/num_pairs"] > 0 for s in trained) >= 1
-    assert any(steps[s]["actor/amir_pref_term"] > 0 for s in trained)
+    assert sum(steps[s][NUM_PAIRS] > 0 for s in trained) >= 1
+    assert any(steps[s][PREF_TERM] > 0 for s in trained)
     for step in trained:
         rows = dump(run_dir(work, "amir_grpo") / "rollout", step)
         assert len(rows) == SIZE.prompts_per_step * 8
         pairs = mined_pairs(rows)
-        assert steps[step]["amir/num_pairs"] == len(pairs), step
+        assert steps[step][NUM_PAIRS] == len(pairs), step
         score = {row["uid"]: row["amir_old_seq_logp"] - row["amir_ref_seq_logp"] for row in rows}
         if step == 1:  # the adapter starts at B = 0: the policy is its reference
             assert max(abs(s) for s in score.values()) < 1e-5
         if pairs:
             z = torch.tensor([BETA * (score[i["uid"]] - score[j["uid"]]) for i, j in pairs], dtype=torch.float64)
             expected = -float(torch.nn.functional.logsigmoid(z).mean())
-            assert steps[step]["amir/pref_loss"] == pytest.approx(expected, rel=1e-4, abs=1e-6), step
+            assert steps[step][PREF_LOSS] == pytest.approx(expected, rel=1e-4, abs=1e-6), step
             if step == 1:
                 assert expected == pytest.approx(math.log(2), abs=1e-5)
 
