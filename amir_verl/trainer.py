@@ -168,12 +168,18 @@ class AmirTrainerMixin:
         cls.BASE_MODE = AMIR_TRAINER_MODES[cls.AMIR_MODE]
 
     def __init__(self, config: DictConfig):
-        self.amir, self.base_actor_config = run_base_actor_config(config)
-        self.lambda_controller = self.amir.make_lambda_controller()
+        self.init_amir_state(config)
         semantics = describe_update_semantics(config, self.BASE_MODE)
         if semantics:
             logger.warning(semantics)
         super().__init__(config)
+
+    def init_amir_state(self, config: DictConfig) -> None:
+        """What the AMIR steps read besides verl's state: the run's AMIR config, the base loss's actor config
+        and the lambda controller (also what a test needs to run the advantage step without verl's
+        ``__init__``, which starts rollout servers)."""
+        self.amir, self.base_actor_config = run_base_actor_config(config)
+        self.lambda_controller = self.amir.make_lambda_controller()
 
     # verl 0.9.1 compares ``trainer_mode`` with "sync" in _build_replay_buffer, _init_dataloader,
     # _load_checkpoint, _save_checkpoint, _reissue_inflight_prompts and _submit_batch_to_rollout, and

@@ -25,7 +25,7 @@ from amir_verl.step_batch import (
     FIELD_PARTNER_SIGN,
     FIELD_REF_SEQ_LOGP,
 )
-from amir_verl.trainer import AmirPPOTrainer, run_base_actor_config
+from amir_verl.trainer import AmirPPOTrainer
 from tests.support import GRPO, compose_verl
 from tests.support import brute_force_gradient
 from amir_verl.testing import (
@@ -77,8 +77,7 @@ def make_trainer(overrides):
     # advantage step only reads self.config, so construct the object without them.
     trainer = AmirPPOTrainer.__new__(AmirPPOTrainer)
     trainer.config = config
-    trainer.amir, trainer.base_actor_config = run_base_actor_config(config)
-    trainer.lambda_controller = trainer.amir.make_lambda_controller()
+    trainer.init_amir_state(config)
     trainer.local_trigger_step = 0  # PPOTrainer.__init__'s: the first local update of the step
     return trainer
 
