@@ -157,6 +157,12 @@ def test_the_timeout_names_the_commands_still_running_and_stops_them():
     ("Traceback (most recent call last):\n  File x\nValueError: first\n(TaskRunnerV1 pid=12) KeyError: 'last one'\n",
      "KeyError: 'last one'"),
     ("no error line at all\n", "see the log"),
+    # vLLM 0.27.1's engine core on a head size its CPU attention refuses, then verl's replay buffer's last word
+    ("(vLLMHttpServer pid=9) (EngineCore pid=8) ERROR [core.py:1351] RuntimeError: Worker failed with error "
+     "'Unsupported CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0', please check the stack trace\n"
+     "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n"
+     "RuntimeError: Sync replay buffer selected terminal groups with no materializable trajectories.\n",
+     "verl's vllm rollout: the vLLM engine failed: Unsupported CPU attention configuration: head_dim=16"),
 ])
 def test_failure_reason_is_one_line_naming_the_cause(output, expected):
     reason = failure_reason(output)

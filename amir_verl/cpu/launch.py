@@ -81,6 +81,11 @@ KNOWN_FAILURES = [
     (re.compile(r"Permission denied", re.I), "permission denied writing a file (the workdir, or /tmp/ray)"),
 ]
 _ERROR_LINE = re.compile(r"^\s*(?:\(\w+ pid=\d+\)\s*)?([\w.]*(?:Error|Exception|Exit)\w*: .+)$")
+# verl's vllm rollout: vLLM's engine core logs its worker's error once; what follows in the output comes from it
+# (EngineDeadError in every request, then verl's replay buffer finding no trajectory), and the last error line
+# names neither the rollout nor the cause
+_VLLM_WORKER_FAILED = re.compile(r"Worker failed with error '(.+?)', please check")
+_VLLM_ENGINE_DEAD = "EngineDeadError"
 
 
 def failure_reason(output: str) -> str:
@@ -88,6 +93,10 @@ def failure_reason(output: str) -> str:
     for pattern, explanation in KNOWN_FAILURES:
         if pattern.search(output):
             return explanation
+    worker_failed = _VLLM_WORKER_FAILED.search(output)
+    if worker_failed or _VLLM_ENGINE_DEAD in output:
+        cause = worker_failed.group(1)[:300] if worker_failed else "its error is in the log, above the first EngineDeadError"
+        return f"verl's vllm rollout: the vLLM engine failed: {cause}"
     errors = [m.group(1).strip() for m in map(_ERROR_LINE.match, output.splitlines()) if m]
     return errors[-1][:300] if errors else "no error message (see the log)"
 

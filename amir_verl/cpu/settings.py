@@ -70,10 +70,14 @@ def vllm_rollout_settings(bucket_mb: int = 256) -> list[str]:
     sleep mode (on by default in verl's rollout config, rejected by vLLM on CPU; ``free_cache_engine`` needs
     it), and verl's shared-memory weight transfer (no CUDA IPC on a CPU) asserts on a tensor larger than its
     bucket: ``bucket_mb`` must hold the model's largest tensor (256 covers SmolLM2-135M's 113 MB embedding;
-    verl's default, 2048, is a 2 GB shared-memory buffer). Run with :func:`vllm_rollout_env` in the
-    environment."""
+    verl's default, 2048, is a 2 GB shared-memory buffer). The engine runs in float32 like the CPU actor: verl's
+    rollout ``dtype`` defaults to bfloat16 and goes to ``vllm serve --dtype`` as is, and the synced float32
+    weights are then cast to bfloat16 in the engine (on the toy task vLLM's token probabilities were 1.3e-4 to
+    2.5e-4 off the actor's, ``rollout_probs_diff_max``; in float32, 1.1e-8 to 1.3e-8). Run with
+    :func:`vllm_rollout_env` in the environment."""
     return [
         "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.dtype=float32",
         "actor_rollout_ref.rollout.enforce_eager=True",
         "+actor_rollout_ref.rollout.enable_sleep_mode=False",
         "actor_rollout_ref.rollout.free_cache_engine=False",

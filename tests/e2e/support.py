@@ -68,3 +68,19 @@ def pref_objective(l_theta: torch.Tensor, l_ref: torch.Tensor, pairs) -> torch.T
     """J_pref = mean over pairs of log sigmoid(beta * margin)."""
     return torch.stack([torch.nn.functional.logsigmoid(BETA * ((l_theta[i] - l_ref[i]) - (l_theta[j] - l_ref[j])))
                         for i, j in pairs]).mean()
+
+
+def load_policy(assets, workdir: Path, step: int):
+    """The policy at the end of ``step`` (0: the initial model), from verl's actor checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32).eval()
+    if step > 0:
+        folder = workdir / "checkpoints" / f"global_step_{step}" / "actor"
+        state = {name: tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                 for name, tensor in torch.load(folder / "model_world_size_1_rank_0.pt", weights_only=False).items()}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+        assert set(missing) <= tied and not unexpected, (missing, unexpected)
+    return model
+

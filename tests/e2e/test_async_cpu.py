@@ -49,7 +49,7 @@ import torch
 
 from amir_verl.metrics import LAMBDA, NUM_PAIRS, PG_GRAD_NORM, PREF_LOSS, PREF_TERM
 from tests.e2e.probe import probed
-from tests.e2e.support import BETA, DELTA, pairs_by_definition, pref_objective, response_log_probs, seq_mean
+from tests.e2e.support import BETA, DELTA, load_policy, pairs_by_definition, pref_objective, response_log_probs, seq_mean
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, GROUP = 3, 8
@@ -114,21 +114,6 @@ def async_runs(assets, tmp_path_factory):
 
 
 # ---- independent recomputation ------------------------------------------------------------------------
-
-def load_policy(assets, workdir: Path, step: int):
-    """The policy at the end of ``step`` (0: the initial model), from verl's actor checkpoint."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32).eval()
-    if step > 0:
-        folder = workdir / "checkpoints" / f"global_step_{step}" / "actor"
-        state = {name: tensor.to_local() if hasattr(tensor, "to_local") else tensor
-                 for name, tensor in torch.load(folder / "model_world_size_1_rank_0.pt", weights_only=False).items()}
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-        assert set(missing) <= tied and not unexpected, (missing, unexpected)
-    return model
-
 
 def versions_of_tokens(rollout: list[float], candidates: dict[int, torch.Tensor]) -> list[int] | None:
     """The weight version of each token, nondecreasing, such that each token's rollout log-prob is that

