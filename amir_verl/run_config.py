@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import logging
 import warnings
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -120,11 +122,37 @@ def lora_sync_without_adapter(config: DictConfig) -> str | None:
     return None
 
 
+def check_lora_adapter_path(config: DictConfig) -> None:
+    """``actor_rollout_ref.model.lora_adapter_path`` (an adapter to start from, e.g. :mod:`amir_verl.lora_init`'s)
+    must agree with ``lora_rank`` / ``lora_alpha``: verl 0.9.1's FSDP engine builds LoRA only when
+    ``lora_rank > 0`` (``FSDPEngine.__init__``'s ``_is_lora``) and then loads the adapter as saved, whatever
+    its rank, while the trainer already counts the run as LoRA from the path alone (``ref_in_actor``). With
+    rank 0 the adapter would be ignored and full weights would train against themselves as the reference."""
+    model = config.actor_rollout_ref.model
+    path = model.get("lora_adapter_path")
+    if path is None or OmegaConf.select(config, "actor_rollout_ref.actor.strategy", default="fsdp") not in ("fsdp", "fsdp2"):
+        return
+    rank, alpha = model.get("lora_rank", 0) or 0, model.get("lora_alpha")
+    saved = Path(str(path)) / "adapter_config.json"
+    adapter = json.loads(saved.read_text()) if saved.is_file() else None  # a remote path: verl copies it later
+    if rank <= 0:
+        hint = f"actor_rollout_ref.model.lora_rank={adapter['r']}" if adapter else "actor_rollout_ref.model.lora_rank"
+        raise ValueError(f"actor_rollout_ref.model.lora_adapter_path={path} with lora_rank=0: verl's FSDP engine "
+                         f"would ignore the adapter and train full weights; set {hint} (and its lora_alpha)")
+    if adapter and (adapter.get("r"), adapter.get("lora_alpha")) != (rank, alpha):
+        raise ValueError(f"the adapter at actor_rollout_ref.model.lora_adapter_path={path} has r={adapter.get('r')}, "
+                         f"lora_alpha={adapter.get('lora_alpha')}, but the run says lora_rank={rank}, "
+                         f"lora_alpha={alpha}: verl would train the adapter as saved while the rollout is sized "
+                         "from lora_rank; make them agree")
+
+
 def check_any_run(config: DictConfig) -> None:
     """What stops any verl run on the driver with the plugin installed, AMIR or not: an attention
-    implementation that cannot load; a LoRA rollout that would never see its adapter is an error for AMIR
-    runs (:func:`validate_amir_run`) and a warning for others."""
+    implementation that cannot load, a LoRA adapter to start from that verl would ignore or mis-size; a LoRA
+    rollout that would never see its adapter is an error for AMIR runs (:func:`validate_amir_run`) and a
+    warning for others."""
     check_attention_loads(config)
+    check_lora_adapter_path(config)
     reason = lora_sync_without_adapter(config)
     if reason is not None and not asks_for_amir(config):
         logger.warning("amir-verl: %s", reason)

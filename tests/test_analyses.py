@@ -9,7 +9,7 @@ import torch
 
 from amir_verl.demo.toy_task import make_assets
 from amir_verl.evaluation import analyses
-from amir_verl.evaluation.cli import main
+from amir_verl.evaluation.cli import NOTHING_TO_MEASURE, main
 from amir_verl.evaluation.passk import Sample
 from tests.support import verl_dump
 
@@ -54,8 +54,8 @@ def test_calibration_needs_a_bin_and_a_stated_confidence(tmp_path, capsys):
     path = dump(tmp_path / "a", [("p1", "openai/gsm8k", True, -1.0, "q", "a")])
     assert main(["calibration", "--run", f"A={path}", "--out", str(tmp_path / "o"), "--bins", "0"]) == 2
     assert "--bins must be at least 1, got 0" in capsys.readouterr().err
-    assert main(["calibration", "--run", f"A={path}", "--out", str(tmp_path / "o")]) == 2
-    assert "no sample states a confidence" in capsys.readouterr().err
+    assert main(["calibration", "--run", f"A={path}", "--out", str(tmp_path / "o")]) == NOTHING_TO_MEASURE
+    assert "amir-eval: nothing to measure: no sample states a confidence" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
@@ -156,6 +156,55 @@ def test_margin_and_perplexity_match_a_direct_forward(toy_model, tmp_path, capsy
     assert ppl["perplexity"].iloc[4] == pytest.approx(math.exp(-direct(q1, "9")), rel=1e-5)
     for png in (tmp_path / "m" / "margin_GRPO_vs_AMIR.png", tmp_path / "p" / "perplexity_GRPO_vs_AMIR.png"):
         assert png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("command", ["margin", "perplexity"])
+def test_a_log_prob_analysis_with_nothing_to_measure_exits_3_and_writes_nothing(toy_model, tmp_path, capsys, command):
+    """margin: every problem all correct or all incorrect; perplexity: every response empty. Both are outcomes
+    of the data: exit 3 (not 2, bad input), the reason, and no file (not even a header-only CSV)."""
+    gsm, q1 = "openai/gsm8k", "q1: 3+4=?\nA: "
+    responses = ("", "") if command == "perplexity" else ("7", "12")
+    a = dump(tmp_path / "a", [("p1", gsm, True, 0.5, q1, responses[0]), ("p2", gsm, False, 0.5, q1, responses[1])])
+    b = dump(tmp_path / "b", [("p1", gsm, True, 0.5, q1, responses[0]), ("p2", gsm, False, 0.5, q1, responses[1])])
+    out = tmp_path / "out"
+    assert main([command, "--run", f"GRPO={a}", "--run", f"AMIR={b}", "--model", f"GRPO={toy_model}",
+                 "--model", f"AMIR={toy_model}", "--out", str(out)]) == NOTHING_TO_MEASURE
+    reason = {"margin": "no problem has both a correct and an incorrect response in any run",
+              "perplexity": "no response was scored (every response is empty)"}[command]
+    assert f"amir-eval: nothing to measure: {reason}" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_perplexity_after_margin_reuses_the_cached_scores_of_the_same_model_and_text_only(toy_model, tmp_path, capsys):
+    import shutil
+
+    gsm, q1 = "openai/gsm8k", "q1: 3+4=?\nA: "
+    a = dump(tmp_path / "a", [("p1", gsm, True, 0.5, q1, "7"), ("p1", gsm, False, 0.5, q1, "12"), ("p2", gsm, True, 0.5, q1, "")])
+    b = dump(tmp_path / "b", [("p1", gsm, True, 0.5, q1, "7"), ("p1", gsm, False, 0.5, q1, "9"), ("p2", gsm, True, 0.5, q1, "")])
+    other = tmp_path / "other_model"
+    shutil.copytree(toy_model, other)
+    runs = ["--run", f"GRPO={a}", "--run", f"AMIR={b}", "--model", f"GRPO={toy_model}", "--model", f"AMIR={other}"]
+    cache = ["--score-cache", str(tmp_path / "cache")]
+    for command in ("margin", "perplexity"):
+        assert main([command, *runs, "--out", str(tmp_path / "plain")]) == 0
+    capsys.readouterr()
+    assert main(["margin", *runs, *cache, "--out", str(tmp_path / "cached")]) == 0
+    assert "GRPO: 0 of 3 scores from" in capsys.readouterr().out
+    assert main(["perplexity", *runs, *cache, "--out", str(tmp_path / "cached")]) == 0
+    out = capsys.readouterr().out
+    assert "GRPO: 3 of 3 scores from" in out and "AMIR: 3 of 3 scores from" in out
+    for name in ("margin_GRPO_vs_AMIR.csv", "perplexity_GRPO_vs_AMIR.csv"):
+        pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "cached" / name), pd.read_csv(tmp_path / "plain" / name))
+    # another model content (a weight changed), the same path: scored again, not reused by name
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(other / "model.safetensors"))
+    first = next(iter(weights))
+    weights[first] = weights[first] + 1.0
+    save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
+    assert main(["margin", *runs, *cache, "--out", str(tmp_path / "changed")]) == 0
+    out = capsys.readouterr().out
+    assert "GRPO: 3 of 3 scores from" in out and "AMIR: 0 of 3 scores from" in out
 
 
 def test_synthetic_example_runs_every_command(tmp_path):

@@ -220,6 +220,11 @@ def test_progress_line_is_one_line_with_the_step_numbers():
     assert line == "[amir_grpo] step  2/40  reward 0.750  val acc 0.300  margin -0.125  pairs 4  lambda 0.500  1.0 s"
     assert "before training: acc 0.100" in progress_line("grpo", 0, 40, metrics[0])
     assert "margin -  pairs 0" in progress_line("grpo", 1, 40, metrics[1])
+    # the paper pipeline validates on seven benchmarks: their mean, said so (not the first benchmark alone)
+    several = {"val-core/openai/gsm8k/acc/mean@8": 0.5, "val-core/deepmind/aqua_rat/acc/mean@8": 0.0,
+               "val-core/math-ai/aime25/acc/mean@8": 0.25, "val-core/openai/gsm8k/acc/best@8/mean": 1.0}
+    assert validation_accuracy(several) == pytest.approx(0.25)
+    assert progress_line("grpo", 0, 2, several).endswith("validation before training: acc 0.250 (mean of 3 benchmarks)")
 
 
 def test_moving_average_of_the_last_five():

@@ -12,10 +12,20 @@ from amir_verl.cpu.launch import parse_metrics_line
 from amir_verl.metrics import LAMBDA, MARGIN, NUM_PAIRS, REWARD, STEP_TIME, format_value
 
 
+def _validation_keys(metrics: dict[str, float]) -> list[str]:
+    return sorted(k for k in metrics if k.startswith("val-core/") and "/acc/mean@" in k)
+
+
 def validation_accuracy(metrics: dict[str, float]) -> float | None:
-    """verl's validation accuracy of a step (``val-core/<data source>/acc/mean@<n>``), None if not validated."""
-    keys = sorted(k for k in metrics if k.startswith("val-core/") and "/acc/mean@" in k)
-    return metrics[keys[0]] if keys else None
+    """verl's validation accuracy of a step (``val-core/<data source>/acc/mean@<n>``), with several data sources
+    their unweighted mean (each benchmark counts once); None if the step was not validated."""
+    keys = _validation_keys(metrics)
+    return sum(metrics[k] for k in keys) / len(keys) if keys else None
+
+
+def _accuracy_text(metrics: dict[str, float]) -> str:
+    sources = len(_validation_keys(metrics))
+    return format_value(validation_accuracy(metrics)) + (f" (mean of {sources} benchmarks)" if sources > 1 else "")
 
 
 def pair_metric(metrics: dict[str, float], key: str) -> float | None:
@@ -26,10 +36,10 @@ def pair_metric(metrics: dict[str, float], key: str) -> float | None:
 def progress_line(run: str, step: int, total_steps: int, metrics: dict[str, float]) -> str:
     """One console line for one step of one run."""
     if step == 0:
-        return f"[{run}] step  0/{total_steps}  validation before training: acc {format_value(validation_accuracy(metrics))}"
+        return f"[{run}] step  0/{total_steps}  validation before training: acc {_accuracy_text(metrics)}"
     parts = [f"[{run}] step {step:2d}/{total_steps}", f"reward {format_value(metrics.get(REWARD))}"]
     if validation_accuracy(metrics) is not None:
-        parts.append(f"val acc {format_value(validation_accuracy(metrics))}")
+        parts.append(f"val acc {_accuracy_text(metrics)}")
     parts += [f"margin {format_value(pair_metric(metrics, MARGIN), '+.3f')}",
               f"pairs {format_value(metrics.get(NUM_PAIRS), '.0f')}", f"lambda {format_value(metrics.get(LAMBDA))}",
               f"{format_value(metrics.get(STEP_TIME), '.1f')} s"]

@@ -6,7 +6,7 @@
 - :func:`coverage` / :func:`coverage_patterns`: solvable sets across runs (a problem is solvable if any
   sample is correct), the paper's Table 2 pattern breakdown.
 - :func:`preference_margin`: per problem, mean length-normalised log-prob of correct minus incorrect
-  responses under a given model (transformers), the paper's Figure 4.
+  responses under a given model (:func:`mean_response_log_probs`, transformers), the paper's Figure 4.
 - :func:`self_perplexity`: perplexity of responses under the model that generated them, by problem
   stratum over all compared runs (the paper's Figure 3 strata).
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from amir_verl.evaluation.passk import DISPLAY_NAMES, EvaluationError, Sample, benchmark_sort_key
+from amir_verl.evaluation.passk import DISPLAY_NAMES, EvaluationError, NothingToMeasure, Sample, benchmark_sort_key
 
 
 def _plt():
@@ -70,7 +70,7 @@ def calibration(samples: Sequence[Sample], bins: int = 10) -> tuple[pd.DataFrame
         raise EvaluationError(f"--bins must be at least 1, got {bins}")
     rated = [s for s in samples if s.confidence is not None]
     if not rated:
-        raise EvaluationError("no sample states a confidence: calibration needs the confidence field")
+        raise NothingToMeasure("no sample states a confidence: calibration needs the confidence field")
     edges = [i / bins for i in range(bins + 1)]
     rows = []
     for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
@@ -304,17 +304,14 @@ def mean_response_log_probs(model, tokenizer, pairs: Sequence[tuple[str, str]], 
     return scores
 
 
-def _scored(samples, model, tokenizer, device, progress) -> list[tuple[Sample, float]]:
-    scores = mean_response_log_probs(model, tokenizer, [(s.prompt, s.response) for s in samples], device,
-                                     progress=progress)
-    return [(s, lp) for s, lp in zip(samples, scores) if not math.isnan(lp)]
-
-
-def preference_margin(samples, model, tokenizer, device="cpu", progress=print) -> tuple[pd.DataFrame, dict]:
-    """Per problem with both outcomes: mean l(correct) - mean l(incorrect); summary: mean margin."""
+def preference_margin(samples: Sequence[Sample], scores: Sequence[float]) -> tuple[pd.DataFrame, dict]:
+    """Per problem with both outcomes: mean l(correct) - mean l(incorrect), ``scores[i]`` being sample i's mean
+    response log-prob (:func:`mean_response_log_probs`; NaN, an empty response, is left out); summary: mean
+    margin and the number of problems with both outcomes."""
     groups: dict[tuple[str, str], list[tuple[bool, float]]] = defaultdict(list)
-    for s, lp in _scored(samples, model, tokenizer, device, progress):
-        groups[(s.data_source, s.problem_id)].append((s.correct, lp))
+    for s, lp in zip(samples, scores, strict=True):
+        if not math.isnan(lp):
+            groups[(s.data_source, s.problem_id)].append((s.correct, lp))
     rows = []
     for (source, problem), items in sorted(groups.items()):
         right = [lp for ok, lp in items if ok]
@@ -344,8 +341,6 @@ def plot_margin(per_run: dict[str, tuple[pd.DataFrame, dict]], path: Path, bins:
     plt = _plt()
     colors = run_colors(list(per_run))
     values = pd.concat([table["margin"] for table, _ in per_run.values()])
-    if values.empty:
-        raise EvaluationError("no problem has both a correct and an incorrect response in any run: no margin")
     edges = _shared_bins(values, bins)
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for name, (table, summary) in per_run.items():
@@ -375,12 +370,13 @@ def problem_strata(runs: dict[str, Sequence[Sample]]) -> dict[tuple[str, str], s
     return {key: STRATA[0] if all(v) else STRATA[2] if not any(v) else STRATA[1] for key, v in outcomes.items()}
 
 
-def self_perplexity(samples, strata, model, tokenizer, device="cpu", progress=print) -> pd.DataFrame:
-    """Per response: perplexity exp(-mean log-prob) under ``model``, correctness, and its problem's
-    stratum from :func:`problem_strata`."""
+def self_perplexity(samples: Sequence[Sample], strata: dict[tuple[str, str], str],
+                    scores: Sequence[float]) -> pd.DataFrame:
+    """Per scored response (``scores`` as for :func:`preference_margin`, under the model that generated it):
+    perplexity exp(-mean log-prob), correctness, and its problem's stratum from :func:`problem_strata`."""
     rows = [{"benchmark": _name(s.data_source), "problem_id": s.problem_id, "correct": s.correct,
              "stratum": strata[(s.data_source, s.problem_id)], "perplexity": math.exp(-lp)}
-            for s, lp in _scored(samples, model, tokenizer, device, progress)]
+            for s, lp in zip(samples, scores, strict=True) if not math.isnan(lp)]
     return pd.DataFrame(rows, columns=["benchmark", "problem_id", "correct", "stratum", "perplexity"])
 
 
@@ -392,8 +388,6 @@ def plot_perplexity(table: pd.DataFrame, path: Path, bins: int = 20) -> None:
     plt = _plt()
     names = list(dict.fromkeys(table["run"]))
     colors = run_colors(names)
-    if table.empty:
-        raise EvaluationError("no response was scored: nothing to draw")
     log = float(table["perplexity"].max()) > 10 * float(table["perplexity"].min())
     edges = _shared_bins(table["perplexity"], bins, log=log)
     strata = [s for s in STRATA if s in set(table["stratum"])]

@@ -15,8 +15,15 @@ with ``--out``; the analyses: ``.csv`` and ``.png``):
     amir-eval margin      --run GRPO=PATH --run AMIR=PATH --model GRPO=MODEL --model AMIR=MODEL --out DIR [--device cuda]
     amir-eval perplexity  --run GRPO=PATH --run AMIR=PATH --model GRPO=MODEL --model AMIR=MODEL --out DIR [--device cuda]
 
+(``margin`` and ``perplexity`` score the same responses under the same models: ``--score-cache DIR`` on both
+scores them once, :mod:`amir_verl.evaluation.scores`.)
+
 Runs are compared over the problems they all share (``--all-problems`` keeps the others); what is left
 out, and which run lacked it, is printed. An existing output file is an error unless ``--overwrite``.
+
+Exit status: 0 done; 2 bad input or usage; 3 nothing to measure (the runs are well formed, but the analysis
+has no case to measure, such as ``margin`` without a problem that has both a correct and an incorrect
+response; no file is written).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import pandas as pd
 
 from amir_verl.evaluation.passk import (
     EvaluationError,
+    NothingToMeasure,
     align_runs,
     benchmark_pass_at_k,
     comparison_rows,
@@ -38,6 +46,7 @@ from amir_verl.evaluation.passk import (
     passk_markdown,
 )
 from amir_verl.evaluation.records import load_run
+from amir_verl.evaluation.scores import response_scores
 
 
 def _named(value: str) -> tuple[str, str]:
@@ -181,12 +190,21 @@ def run_logprob_analysis(args) -> int:
     strata = analyses.problem_strata(runs)
     results = {}
     for name, samples in runs.items():
-        model, tokenizer = analyses.load_model(models[name], args.device, args.dtype)
+        def score(pairs: list[tuple[str, str]], path: str = models[name]) -> list[float]:
+            model, tokenizer = analyses.load_model(path, args.device, args.dtype)  # only when a score is missing
+            return analyses.mean_response_log_probs(model, tokenizer, pairs, args.device, progress=print)
+
+        scores, reused = response_scores(samples, models[name], score, args.score_cache, args.dtype, args.device)
+        if args.score_cache:
+            print(f"{name}: {reused} of {len(samples)} scores from {args.score_cache}")
         if args.command == "margin":
-            results[name] = analyses.preference_margin(samples, model, tokenizer, args.device)
+            results[name] = analyses.preference_margin(samples, scores)
         else:
-            results[name] = analyses.self_perplexity(samples, strata, model, tokenizer, args.device)
-        del model
+            results[name] = analyses.self_perplexity(samples, strata, scores)
+    if args.command == "margin" and not any(summary["problems_with_both"] for _, summary in results.values()):
+        raise NothingToMeasure("no problem has both a correct and an incorrect response in any run: no margin")
+    if args.command == "perplexity" and all(table.empty for table in results.values()):
+        raise NothingToMeasure("no response was scored (every response is empty): no perplexity")
     csv_path, png = _outputs(args, args.command, list(runs), (".csv", ".png"))
     if args.command == "margin":
         pd.concat([table.assign(run=name) for name, (table, _) in results.items()]).to_csv(csv_path, index=False)
@@ -244,13 +262,22 @@ def build_parser() -> argparse.ArgumentParser:
                          help="HF model path of run NAME; one per run")
         cmd.add_argument("--device", default="cpu")
         cmd.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        cmd.add_argument("--score-cache", type=Path, metavar="DIR",
+                         help="keep each response's log-prob here, keyed by the model folder's content, dtype, device "
+                              "and the exact text, and reuse it (margin and perplexity score the same responses)")
     return parser
+
+
+NOTHING_TO_MEASURE = 3  # amir-eval's exit status for NothingToMeasure
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except NothingToMeasure as nothing:
+        print(f"amir-eval: nothing to measure: {nothing}", file=sys.stderr)
+        return NOTHING_TO_MEASURE
     except (EvaluationError, FileNotFoundError) as error:
         print(f"amir-eval: error: {error}", file=sys.stderr)
         return 2

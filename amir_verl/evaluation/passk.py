@@ -40,6 +40,12 @@ class EvaluationError(ValueError):
     """Bad evaluation input, with the problem named."""
 
 
+class NothingToMeasure(EvaluationError):
+    """Well-formed input on which an analysis has nothing to measure (for example no problem with both a
+    correct and an incorrect response): an outcome of the data, not a mistake. ``amir-eval`` exits 3 for it
+    (2 for other errors) and writes no file, so that a pipeline can report the analysis as not measured."""
+
+
 def benchmark_pass_at_k(samples: Iterable[Sample], ks: Iterable[int]) -> dict[str, dict[int, float]]:
     """{data_source: {k: pass@k}} over the problems of each data source."""
     by_problem: dict[tuple[str, str], list[bool]] = defaultdict(list)
