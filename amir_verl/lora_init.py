@@ -33,7 +33,7 @@ def write_initial_adapter(model: str, out: Path, rank: int, alpha: int, seed: in
     peft_model = get_peft_model(base, LoraConfig(task_type=TaskType.CAUSAL_LM, r=rank, lora_alpha=alpha,
                                                  target_modules=target_modules, bias="none"))
     adapter = {name: p for name, p in peft_model.named_parameters() if "lora_" in name}
-    if not adapter or any(float(p.abs().max()) != 0 for name, p in adapter.items() if "lora_B" in name):
+    if not adapter or any(float(p.detach().abs().max()) != 0 for name, p in adapter.items() if "lora_B" in name):
         raise RuntimeError("peft did not initialise B = 0: the adapter would change the starting policy")
     peft_model.save_pretrained(out)
     return len(adapter)

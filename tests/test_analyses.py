@@ -9,8 +9,8 @@ import torch
 
 from amir_verl.demo.toy_task import make_assets
 from amir_verl.evaluation import analyses
-from amir_verl.evaluation.cli import NOTHING_TO_MEASURE, main
-from amir_verl.evaluation.passk import Sample
+from amir_verl.evaluation.cli import main
+from amir_verl.evaluation.passk import NOTHING_TO_MEASURE, Sample
 from tests.support import verl_dump
 
 

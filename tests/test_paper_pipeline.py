@@ -1,6 +1,9 @@
 """The CPU paper pipeline's pieces (no launch): its overrides leave every algorithm key of the paper recipes as
-written, and its generated data passes through data_prep into the parquet the recipes read."""
+written, its generated data passes through data_prep into the parquet the recipes read, and its summary and
+evaluation stage, on runs built to hit each case (no pair, nothing to measure, identical or departed
+responses, a failing analysis), say what the files show."""
 
+import math
 import random
 
 import pytest
@@ -12,7 +15,10 @@ from amir_verl.paper_pipeline.data import raw_record, word_problem, worked_answe
 from amir_verl.datasets import SOURCES, to_row
 from amir_verl.reward import compute_score
 from amir_verl.reward.template import parse_response
-from tests.support import compose_recipe
+from amir_verl.demo.toy_task import make_assets
+from amir_verl.metrics import LAMBDA, NUM_PAIRS, PREF_LOSS, PREF_TERM, REWARD
+from amir_verl.paper_pipeline.report import Evaluated, summary
+from tests.support import compose_recipe, verl_dump
 
 # Paths of the composed config that define the algorithm: what the overrides must not change. An entry ending
 # in "." or "_" is a prefix; any other is that key and everything under it.
@@ -94,3 +100,107 @@ def test_generated_problems_convert_and_their_worked_answer_earns_full_correctne
     assert parse_response(response).format_ok
     score = compute_score(row["data_source"], response, golds)
     assert score["acc"] == 1.0, (benchmark, golds, response, score)
+
+
+# ---- the summary and the evaluation stage on runs built to hit each case ------------------------------------
+
+RUN_PAIR = ("grpo", "amir_grpo")
+SMALL = SIZES["test"]
+
+
+def fake_run(work, variant, rollouts: dict[int, list[tuple[str, str]]], adapter="/adapters/init"):
+    """A run's folder as the pipeline leaves it: rollout dumps (prompt, response per row), hydra's record."""
+    folder = work / "outputs" / f"smollm2-135m_{variant}"
+    for step, rows in rollouts.items():
+        verl_dump(folder / "rollout", step, [{"input": p, "output": r, "score": 1.0, "uid": f"u{i}"}
+                                              for i, (p, r) in enumerate(rows)])
+    validation = [{"input": "q", "output": "a", "score": 1.0, "data_source": source, "problem_id": problem}
+                  for source, problems in (("openai/gsm8k", 2), ("math-ai/aime25", 1))
+                  for problem in range(problems) for _ in range(8)]
+    verl_dump(folder / "validation", SMALL.steps, validation)
+    (folder / "hydra" / ".hydra").mkdir(parents=True)
+    OmegaConf.save(OmegaConf.create({"actor_rollout_ref": {"model": {"lora_adapter_path": adapter}}}),
+                   folder / "hydra" / ".hydra" / "config.yaml")
+
+
+@pytest.fixture(scope="module")
+def merged_pair(tmp_path_factory):
+    """Two model folders whose effective weights differ by 0.25 in one tensor (a power of two: exact)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("merged")
+    model = make_assets(root / "assets", n_train=2, n_test=2)["model"]
+    shutil.copytree(model, root / "grpo")
+    shutil.copytree(model, root / "amir_grpo")
+    weights = load_file(str(root / "amir_grpo" / "model.safetensors"))
+    key = next(k for k in weights if "q_proj" in k)
+    weights[key] = weights[key] + 0.25
+    save_file(weights, str(root / "amir_grpo" / "model.safetensors"), metadata={"format": "pt"})
+    return {"grpo": root / "grpo", "amir_grpo": root / "amir_grpo"}
+
+
+def step_metrics(pairs: list[int]) -> dict[int, dict[str, float]]:
+    return {step: {REWARD: 0.5, NUM_PAIRS: n, PREF_LOSS: math.log(2) + (0.001 * step if n else 0.0), PREF_TERM: 0.0,
+                   LAMBDA: 0.01} for step, n in enumerate(pairs, start=1)}
+
+
+def test_a_run_without_pairs_and_an_analysis_with_nothing_to_measure_are_reported_as_such(tmp_path, merged_pair):
+    rows = [("p1", "r1"), ("p2", "r2")]
+    for variant in RUN_PAIR:
+        fake_run(tmp_path, variant, {1: rows, 2: rows})
+    metrics = {"grpo": {0: {"val-core/openai/gsm8k/acc/mean@8": 0.5}, **step_metrics([0, 0])},
+               "amir_grpo": step_metrics([0, 0])}
+    outputs = {"margin_grpo": Evaluated("", not_measured="no problem has both a correct and an incorrect response"),
+               "calibration_grpo": Evaluated("")}
+    text = summary(tmp_path, [RUN_PAIR], metrics, outputs, SMALL, merged_pair)
+    assert ("- Start: GRPO and AMIR-GRPO loaded the same initial adapter (/adapters/init); their step-1 rollouts "
+            "are identical in 2 of 2 responses.") in text
+    assert "- AMIR-GRPO mined 0, 0 pairs at steps 1-2; amir/pref_loss minus log 2 per step: -, -." in text
+    assert "largest effective weight difference, AMIR-GRPO against GRPO, is 2.50e-01" in text
+    assert "- AMIR-GRPO mined no pair, so its preference term was zero and it trained as GRPO did." in text
+    assert "- amir-eval margin: not measured: no problem has both a correct and an incorrect response" in text
+    assert "- GRPO: preference margin (merged model, amir-eval margin) -;" in text
+    assert "moves a benchmark's accuracy by 6.2 to 12.5 points" in text  # 16 and 8 samples
+    assert "| openai/gsm8k | 0.500 | - | - |" in text  # one validation before training, the GRPO run's
+
+
+def test_the_verdict_follows_the_last_steps_responses(tmp_path, merged_pair):
+    rows = [("p1", "r1"), ("p2", "r2")]
+    metrics = {"grpo": step_metrics([0, 0]), "amir_grpo": step_metrics([3, 1])}
+    fake_run(tmp_path / "same", "grpo", {1: rows, 2: rows})
+    fake_run(tmp_path / "same", "amir_grpo", {1: rows, 2: rows})
+    text = summary(tmp_path / "same", [RUN_PAIR], metrics, {}, SMALL, merged_pair)
+    assert "amir/pref_loss minus log 2 per step: +1.00e-03, +2.00e-03." in text
+    assert "within 2 steps it did not change what the policy generates: every step-2 response is GRPO's" in text
+    fake_run(tmp_path / "moved", "grpo", {1: rows, 2: rows})
+    fake_run(tmp_path / "moved", "amir_grpo", {1: rows[::-1], 2: [("p1", "r1"), ("p2", "other")]}, adapter="/adapters/b")
+    text = summary(tmp_path / "moved", [RUN_PAIR], metrics, {}, SMALL, merged_pair)
+    assert "- AMIR-GRPO's policy departed from GRPO's: 1 of 2 step-2 responses differ." in text
+    assert "loaded different initial adapters (/adapters/b, /adapters/init)" in text
+    assert "step-1 rollouts are identical in 2 of 2 responses" in text  # the same samples, dumped in another order
+
+
+def test_the_evaluation_stage_reports_nothing_to_measure_and_stops_on_a_real_failure(tmp_path, merged_pair):
+    """amir-eval itself, as the pipeline runs it: every validation response correct, so margin has no problem
+    with both outcomes (exit 3): reported, no margin file, the other analyses done; a missing dump is a failure
+    of the stage, named."""
+    from amir_verl.paper_pipeline.pipeline import PipelineError, evaluate
+
+    rows = [{"input": "q1: 3+4=?\nA: ", "output": "7", "score": 1.0, "acc": 1.0, "data_source": "openai/gsm8k",
+             "problem_id": "p1", "confidence": 0.9, "brier": 0.01, "uid": f"p1_{i}_0"} for i in range(2)]
+    for variant in RUN_PAIR:
+        for step in (0, SMALL.steps):
+            verl_dump(tmp_path / "outputs" / f"smollm2-135m_{variant}" / "validation", step, rows)
+    outputs = evaluate(tmp_path, [RUN_PAIR], merged_pair, merged_pair["grpo"])
+    assert outputs["margin_grpo"].not_measured == ("no problem has both a correct and an incorrect response in any "
+                                                   "run: no margin")
+    assert not list((tmp_path / "results").glob("margin_*"))
+    assert all(outputs[f"{a}_grpo"].not_measured is None for a in ("passk", "calibration", "lengths", "coverage", "perplexity"))
+    assert (tmp_path / "results" / "perplexity_GRPO_vs_AMIR-GRPO.csv").exists()
+    import shutil
+
+    shutil.rmtree(tmp_path / "outputs" / "smollm2-135m_amir_grpo" / "validation")
+    with pytest.raises(PipelineError, match=r"^amir-eval passk failed \(exit 2\): amir-eval: error: .*full log: "):
+        evaluate(tmp_path, [RUN_PAIR], merged_pair, merged_pair["grpo"])

@@ -37,6 +37,8 @@ from pathlib import Path
 import pandas as pd
 
 from amir_verl.evaluation.passk import (
+    NOTHING_TO_MEASURE,
+    NOTHING_TO_MEASURE_PREFIX,
     EvaluationError,
     NothingToMeasure,
     align_runs,
@@ -268,15 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-NOTHING_TO_MEASURE = 3  # amir-eval's exit status for NothingToMeasure
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except NothingToMeasure as nothing:
-        print(f"amir-eval: nothing to measure: {nothing}", file=sys.stderr)
+        print(f"{NOTHING_TO_MEASURE_PREFIX}{nothing}", file=sys.stderr)
         return NOTHING_TO_MEASURE
     except (EvaluationError, FileNotFoundError) as error:
         print(f"amir-eval: error: {error}", file=sys.stderr)

@@ -46,6 +46,10 @@ class NothingToMeasure(EvaluationError):
     (2 for other errors) and writes no file, so that a pipeline can report the analysis as not measured."""
 
 
+NOTHING_TO_MEASURE = 3  # amir-eval's exit status for NothingToMeasure; its stderr line starts with:
+NOTHING_TO_MEASURE_PREFIX = "amir-eval: nothing to measure: "
+
+
 def benchmark_pass_at_k(samples: Iterable[Sample], ks: Iterable[int]) -> dict[str, dict[int, float]]:
     """{data_source: {k: pass@k}} over the problems of each data source."""
     by_problem: dict[tuple[str, str], list[bool]] = defaultdict(list)

