@@ -189,7 +189,7 @@ def test_the_evaluation_stage_reports_nothing_to_measure_and_stops_on_a_real_fai
     from amir_verl.paper_pipeline.pipeline import PipelineError, evaluate
 
     rows = [{"input": "q1: 3+4=?\nA: ", "output": "7", "score": 1.0, "acc": 1.0, "data_source": "openai/gsm8k",
-             "problem_id": "p1", "confidence": 0.9, "brier": 0.01, "uid": f"p1_{i}_0"} for i in range(2)]
+             "problem_id": "p1", "confidence": 0.9, "brier": 0.01, "uid": f"p1_{i}_0"} for i in range(4)]  # k up to 4
     for variant in RUN_PAIR:
         for step in (0, SMALL.steps):
             verl_dump(tmp_path / "outputs" / f"smollm2-135m_{variant}" / "validation", step, rows)
