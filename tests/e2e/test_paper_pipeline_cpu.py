@@ -12,7 +12,12 @@ main_ppo -> verl's model merger -> amir-eval), each artifact checked against a r
 - the merged model (verl's merger, adapter applied by amir-eval's loader) gives the log-probs of the policy
   rebuilt by hand from the checkpoint (W + alpha / r * B A) on a dumped response, with every tensor rounded
   to bfloat16 as verl's merger stores them, and its adapter is the trained one (B != 0);
-- every amir-eval output exists, and pass@k equals the unbiased estimator counted from the validation dump.
+- every amir-eval output exists, and pass@k equals the unbiased estimator counted from the validation dump;
+- like with like: both runs load one initial adapter (B = 0) through verl's lora_adapter_path, one validation
+  before training (the GRPO run's), and the same step-1 samples of every group;
+- the summary's "what AMIR-GRPO did" figures (same adapter, identical step-1 and last-step responses, pairs
+  per step, pref_loss minus log 2, the merged models' largest weight difference) and its verdict equal their
+  recomputation from the dumps, metrics and merged weights.
 """
 
 from __future__ import annotations
