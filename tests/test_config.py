@@ -1,16 +1,13 @@
 """The `amir` config namespace and the run-level checks, on configs composed from verl 0.9.1's own yaml."""
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from amir_verl.config import AmirConfig, describe_keys
 from amir_verl.run_config import validate_amir_run
-from tests.support import AMIR, GRPO, compose_verl
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.support import AMIR, GRPO, REPO, compose_verl
 
 
 def test_defaults_are_valid_and_documented():

@@ -17,9 +17,8 @@ from amir_verl.datasets import ROW_SCHEMA, SOURCES, DataPrepError, prepare
 from amir_verl.reward import compute_score
 from amir_verl.reward.template import INSTRUCTION
 from tests.support import compose_recipe
-from tests.support import load_like_main_ppo, word_tokenizer
+from tests.support import REPO, load_like_main_ppo, word_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
 GSM8K_SCRIPT, BENCHMARKS_SCRIPT = REPO / "data_prep" / "gsm8k.py", REPO / "data_prep" / "benchmarks.py"
 
 # source -> (raw records in the dataset's own hub schema, the golds each must get (decided from the

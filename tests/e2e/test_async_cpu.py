@@ -50,8 +50,8 @@ import torch
 from amir_verl.metrics import LAMBDA, NUM_PAIRS, PG_GRAD_NORM, PREF_LOSS, PREF_TERM
 from tests.e2e.probe import probed
 from tests.e2e.support import BETA, DELTA, load_policy, pairs_by_definition, pref_objective, response_log_probs, seq_mean
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS, GROUP = 3, 8
 RESUMED_AFTER = 2  # the colocate_async run stops after this step and is started again
 HOLD = "4@2"  # HOLD_ENV: 4 requests under the initial weights, each at its 2nd token

@@ -26,8 +26,7 @@ import torch
 from amir_verl.metrics import NUM_PAIRS, PREF_LOSS, ROLLOUT_PROBS_DIFF_MAX
 from amir_verl.step_batch import FIELD_REF_SEQ_LOGP
 from tests.e2e.support import BETA, DELTA, pairs_by_definition, pref_objective, response_log_probs, seq_mean
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO
 
 
 # ---- the runs -----------------------------------------------------------------------------------------
@@ -46,8 +45,6 @@ def recipe_lora_overrides() -> list[str]:
         f"actor_rollout_ref.rollout.load_format={recipe.rollout.load_format}",
         f"actor_rollout_ref.rollout.layered_summon={recipe.rollout.layered_summon}",
     ]
-
-
 
 
 def lora_command(assets, workdir: Path, steps: int, amir: list[str]):

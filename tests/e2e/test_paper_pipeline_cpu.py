@@ -40,9 +40,9 @@ from amir_verl.paper_pipeline.pipeline import CPU_OVERRIDES, SIZES, comparison_o
 from amir_verl.datasets import ROW_SCHEMA
 from amir_verl.evaluation.passk import DISPLAY_NAMES
 from amir_verl.metrics import NUM_PAIRS, PREF_LOSS, PREF_TERM
+from tests.support import REPO
 
 pytestmark = pytest.mark.e2e
-REPO = Path(__file__).resolve().parents[2]
 SIZE = SIZES["test"]
 RUNS = {"grpo": "GRPO", "amir_grpo": "AMIR-GRPO"}
 BETA, DELTA = 0.2, 0.5  # run.sh's beta for a model it does not name; amir.delta_r's default

@@ -22,8 +22,6 @@ other tokens.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("vllm")
@@ -38,10 +36,10 @@ from tests.e2e.probe import probed  # noqa: E402
 from tests.e2e.support import (  # noqa: E402
     BETA, DELTA, load_policy, pairs_by_definition, pref_objective, response_log_probs, seq_mean, train_command,
     train_side_by_side)
+from tests.support import REPO  # noqa: E402
 
 pytestmark = [pytest.mark.e2e]
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 VLLM_HIDDEN = 128  # make_assets' hidden size: 4 heads of 32, vLLM's CPU attention's smallest head size
 # verl's rollout_probs_diff_max is max |p_vllm - p_actor| over response tokens, in probability. Both sides are
