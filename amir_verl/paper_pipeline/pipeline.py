@@ -122,12 +122,16 @@ def log(message: str) -> None:
     print(f"[paper] {message}", flush=True)
 
 
+def _failed(name: str, returncode: int, output: str, log_path: Path) -> PipelineError:
+    tail = output.strip().splitlines()[-1:] or ["(no output)"]
+    return PipelineError(f"{name} failed (exit {returncode}): {tail[0][:300]}; full log: {log_path}")
+
+
 def _run(name: str, cmd: list[str], log_path: Path, timeout: float = 1800, env: dict | None = None) -> str:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     returncode, output = run_logged(cmd, env=env, log_path=log_path, timeout=timeout)
     if returncode != 0:
-        tail = output.strip().splitlines()[-1:] or ["(no output)"]
-        raise PipelineError(f"{name} failed (exit {returncode}): {tail[0][:300]}; full log: {log_path}")
+        raise _failed(name, returncode, output, log_path)
     return output
 
 
@@ -205,15 +209,12 @@ def train(work: Path, pairs: list[tuple[str, str]], model: Path, adapter: Path, 
     outputs = work / "outputs"
     variants = [v for pair in pairs for v in pair]
     progress, commands = {}, {}
-    for pair in pairs:
-        for variant in pair:
-            run_dir = outputs / experiment(variant)
-            shutil.rmtree(run_dir, ignore_errors=True)
-            run_dir.mkdir(parents=True)
-            commands[variant] = run_command(variant, model, data, outputs, size,
-                                            [*comparison_overrides(variant, pair, adapter), *extra])
-    for variant in variants:
-        run_dir, command = outputs / experiment(variant), commands[variant]
+    for pair, variant in ((pair, v) for pair in pairs for v in pair):
+        run_dir = outputs / experiment(variant)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        command = commands[variant] = run_command(variant, model, data, outputs, size,
+                                                  [*comparison_overrides(variant, pair, adapter), *extra])
         (run_dir / "command.txt").write_text(" ".join(f"{k}={v}" for k, v in command.env.items()
                                                       if k in ("MODEL_PATH", "NGPUS", "AMIR_DATA", "AMIR_OUTPUT"))
                                              + " \\\n    " + " \\\n    ".join(command.cmd) + "\n")
@@ -242,9 +243,9 @@ def merge(work: Path, variants: list[str], size: Size) -> dict[str, Path]:
                                            "--local_dir", str(actor), "--target_dir", str(merged[variant])],
                                           log_path=work / "logs" / f"merge_{variant}.log")
         commands[variant].log_path.parent.mkdir(parents=True, exist_ok=True)
-    for variant, (returncode, _) in run_logged_together(commands, timeout=1800).items():
+    for variant, (returncode, output) in run_logged_together(commands, timeout=1800).items():
         if returncode != 0:
-            raise PipelineError(f"merge {variant} failed (exit {returncode}); full log: {commands[variant].log_path}")
+            raise _failed(f"merge {variant}", returncode, output, commands[variant].log_path)
     return merged
 
 
@@ -279,8 +280,7 @@ def evaluate(work: Path, pairs: list[tuple[str, str]], merged: dict[str, Path], 
                     f"{outputs[name].not_measured}")
                 continue
             if returncode != 0:
-                tail = output.strip().splitlines()[-1:] or ["(no output)"]
-                raise PipelineError(f"amir-eval {analysis} failed (exit {returncode}): {tail[0][:300]}; full log: {log_path}")
+                raise _failed(f"amir-eval {analysis}", returncode, output, log_path)
             outputs[name] = Evaluated(output)
             log(f"amir-eval {analysis} ({VARIANTS[base]} vs {VARIANTS[amir]}) -> {results}")
     return outputs
