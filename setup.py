@@ -22,6 +22,7 @@ setup(
         "pandas",
         "pyarrow",
         "matplotlib>=3.8",
+        "scipy>=1.11",  # amir_verl.study: Student's t quantiles for the paired confidence intervals
         "gguf>=0.10",  # amir_verl.models: transformers reads GGUF checkpoints with it (SmolLM2 for the CPU pipeline)
     ],
     extras_require={

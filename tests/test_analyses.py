@@ -109,6 +109,22 @@ def test_coverage_over_shared_problems_names_what_is_left_out(tmp_path, capsys):
     assert patterns.to_dict() == {"YY": 0, "YN": 2, "NY": 1}  # e kept: AMIR lacks it, so has not solved it
 
 
+def test_preference_margin_and_pair_accuracy_against_every_pair_by_hand():
+    """Two problems with both outcomes, one with one only, one NaN score (an empty response, left out)."""
+    samples = [Sample("1", "s", True), Sample("1", "s", True), Sample("1", "s", False), Sample("1", "s", False),
+               Sample("2", "s", True), Sample("2", "s", False), Sample("2", "s", False),
+               Sample("3", "s", True), Sample("3", "s", True)]
+    scores = [-1.0, -3.0, -2.0, -4.0, -0.5, -0.2, math.nan, -1.0, -1.0]
+    table, summary = analyses.preference_margin(samples, scores)
+    by_problem = table.set_index("problem_id")
+    # problem 1: pairs (-1,-2) (-1,-4) (-3,-2) (-3,-4): 3 of 4 right; margin -2 - (-3) = 1
+    # problem 2: the NaN is left out, one pair (-0.5, -0.2): wrong; margin -0.3
+    assert list(by_problem.index) == ["1", "2"]
+    assert by_problem.loc["1", "pair_accuracy"] == 0.75 and by_problem.loc["1", "margin"] == pytest.approx(1.0)
+    assert by_problem.loc["2", "pair_accuracy"] == 0.0 and by_problem.loc["2", "margin"] == pytest.approx(-0.3)
+    assert summary == {"problems_with_both": 2, "mean_margin": pytest.approx(0.35), "mean_pair_accuracy": 0.375}
+
+
 def test_problem_strata_span_all_runs():
     runs = {"A": [Sample("1", "s", True), Sample("1", "s", True), Sample("2", "s", False), Sample("3", "s", True)],
             "B": [Sample("1", "s", True), Sample("2", "s", False), Sample("3", "s", False)]}
@@ -145,8 +161,12 @@ def test_margin_and_perplexity_match_a_direct_forward(toy_model, tmp_path, capsy
     assert list(margin["problem_id"]) == ["p1", "p1"]  # p2 has no incorrect response
     assert margin.loc["GRPO", "margin"] == pytest.approx(direct(q1, "7") - direct(q1, "12"), abs=1e-5)
     assert margin.loc["AMIR", "margin"] == pytest.approx(direct(q1, "7") - direct(q1, "9"), abs=1e-5)
+    for run, wrong in (("GRPO", "12"), ("AMIR", "9")):  # one pair per run: ranked right when the margin is > 0
+        assert margin.loc[run, "pair_accuracy"] == float(direct(q1, "7") > direct(q1, wrong))
     text = capsys.readouterr().out
-    assert f"AMIR: mean preference margin {direct(q1, '7') - direct(q1, '9'):.4f} over 1 problems" in text
+    amir_margin = direct(q1, '7') - direct(q1, '9')
+    assert (f"AMIR: mean preference margin {amir_margin:.4f}, pair accuracy {float(amir_margin > 0):.3f}, "
+            "over 1 problems") in text
 
     assert main(["perplexity", *runs, "--model", f"GRPO={toy_model}", "--model", f"AMIR={toy_model}",
                  "--out", str(tmp_path / "p")]) == 0

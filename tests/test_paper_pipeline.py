@@ -17,7 +17,8 @@ from amir_verl.reward import compute_score
 from amir_verl.reward.template import parse_response
 from amir_verl.demo.toy_task import make_assets
 from amir_verl.metrics import LAMBDA, NUM_PAIRS, PREF_LOSS, PREF_TERM, REWARD
-from amir_verl.paper_pipeline.report import Evaluated, summary
+from amir_verl.paper_pipeline.report import Evaluated, pair_figures, summary
+from amir_verl import run_figures
 from tests.support import compose_recipe, verl_dump
 
 # Paths of the composed config that define the algorithm: what the overrides must not change. An entry ending
@@ -161,9 +162,37 @@ def test_a_run_without_pairs_and_an_analysis_with_nothing_to_measure_are_reporte
     assert "largest effective weight difference, AMIR-GRPO against GRPO, is 2.50e-01" in text
     assert "- AMIR-GRPO mined no pair, so its preference term was zero and it trained as GRPO did." in text
     assert "- amir-eval margin: not measured: no problem has both a correct and an incorrect response" in text
-    assert "- GRPO: preference margin (merged model, amir-eval margin) -;" in text
+    assert "- GRPO: preference margin (merged model, amir-eval margin) -, pair accuracy -;" in text
     assert "moves a benchmark's accuracy by 6.2 to 12.5 points" in text  # 16 and 8 samples
     assert "| openai/gsm8k | 0.500 | - | - |" in text  # one validation before training, the GRPO run's
+
+
+def test_the_figures_for_the_study_are_the_files_means(tmp_path):
+    """pair_figures against the margin CSV, the calibration output and verl's metrics, by hand; and
+    summary.json writes a missing figure (NaN or None) as null."""
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "margin_GRPO_vs_AMIR-GRPO.csv").write_text(
+        "benchmark,problem_id,n_correct,n_incorrect,margin,pair_accuracy,run\n"
+        "gsm8k,1,1,1,0.2,1.0,GRPO\ngsm8k,2,2,1,-0.4,0.5,GRPO\ngsm8k,1,1,1,0.5,1.0,AMIR-GRPO\n")
+    calibration = Evaluated("GRPO: Brier (stated) 0.1250 over 2  Brier (missing as 1) 0.5625 over 4  x\n"
+                            "AMIR-GRPO: Brier (stated) nan over 0  Brier (missing as 1) 1.0000 over 4  x\n")
+    val = {"val-core/openai/gsm8k/acc/mean@8": 0.5, "val-core/aime25/acc/mean@8": 0.0}
+    metrics = {"grpo": {1: {REWARD: 0.1}, 2: {REWARD: 0.3, **val}},
+               "amir_grpo": {1: {REWARD: 0.2}, 2: {REWARD: 0.4, "val-core/openai/gsm8k/acc/mean@8": 1.0}}}
+    figures = pair_figures(tmp_path, *RUN_PAIR, metrics, {"margin_grpo": Evaluated(""), "calibration_grpo": calibration},
+                           SMALL)
+    assert figures["GRPO"] == {run_figures.REWARD: 0.3, run_figures.VALIDATION_ACCURACY: 0.25,
+                               run_figures.MARGIN: pytest.approx(-0.1), run_figures.PAIR_ACCURACY: 0.75,
+                               run_figures.BRIER: 0.125}
+    assert figures["AMIR-GRPO"][run_figures.MARGIN] == 0.5 and figures["AMIR-GRPO"][run_figures.VALIDATION_ACCURACY] == 1.0
+    assert math.isnan(figures["AMIR-GRPO"][run_figures.BRIER])
+    run_figures.write_summary(tmp_path, "smollm2-135m", figures, {})
+    assert run_figures.read_summary(tmp_path)["runs"]["AMIR-GRPO"][run_figures.BRIER] is None
+    not_measured = {"margin_grpo": Evaluated("", not_measured="no problem has both")}
+    assert pair_figures(tmp_path, *RUN_PAIR, metrics, not_measured, SMALL)["GRPO"][run_figures.MARGIN] is None
+    with pytest.raises(ValueError, match="figures"):
+        run_figures.write_summary(tmp_path, "t", {"GRPO": {run_figures.REWARD: 1.0}}, {})
 
 
 def test_the_verdict_follows_the_last_steps_responses(tmp_path, merged_pair):

@@ -16,7 +16,8 @@ with ``python -m verl.trainer.main_ppo`` on the CPU backend (``AMIR_VERL_CPU=1``
 
 The console gets one line per step; verl's full output goes to ``<workdir>/<run>/main_ppo.log`` and its
 metrics to ``<workdir>/<run>/metrics.jsonl``. At the end it prints a summary table (also in
-``<workdir>/summary.md``) and writes the comparison plot ``<workdir>/quickstart.png``. Extra arguments
+``<workdir>/summary.md``, its figures in ``<workdir>/summary.json``: :mod:`amir_verl.run_figures`) and writes
+the comparison plot ``<workdir>/quickstart.png``. Extra arguments
 after ``--`` go to every run's main_ppo.
 """
 
@@ -34,9 +35,10 @@ import psutil
 from amir_verl.cpu.launch import MainPPOFailed, main_ppo_command, run_main_ppo_together
 from amir_verl.cpu.progress import RunProgress
 from amir_verl.cpu.settings import cpu_settings, schedule_overrides
-from amir_verl.demo.report import plot_runs, summary_table
+from amir_verl.demo.report import FIGURE_DEFINITIONS, NO_BRIER, plot_runs, summary_figures, summary_table
 from amir_verl.demo.toy_task import make_assets
 from amir_verl.run_config import amir_overrides
+from amir_verl.run_figures import BRIER, write_summary
 
 def toy_grpo_overrides(assets: dict[str, str], workdir: Path, steps: int, n_gpus: int = 1, group_size: int = 8,
                        prompts_per_step: int = 8, micro_batch: int = 16, test_freq: int = 2, save_freq: int = -1,
@@ -150,6 +152,7 @@ def _cmdline(pid: int) -> list[str]:
 def write_report(workdir: Path, results: dict[str, dict[int, dict[str, float]]], title: str) -> tuple[str, Path]:
     table = summary_table(results)
     (workdir / "summary.md").write_text(table + "\n")
+    write_summary(workdir, "toy", summary_figures(results), FIGURE_DEFINITIONS, {BRIER: NO_BRIER})
     return table, plot_runs(results, workdir / "quickstart.png", title)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from amir_verl.cpu.progress import pair_metric, validation_accuracy
 from amir_verl.metrics import GRAD_SHARE, LAMBDA, MARGIN, PAIR_ACCURACY, REWARD
 from amir_verl.metrics import format_value
+from amir_verl import run_figures
 
 SUMMARY_WINDOW = 5  # the table's reward at start / end: mean over the first / last this many steps
 
@@ -61,6 +62,25 @@ def summary_rows(runs: dict[str, dict[int, dict[str, float]]]) -> list[dict[str,
             "pref_share": last.get(GRAD_SHARE),
         })
     return rows
+
+
+# how the demo measures the figures it writes to summary.json (amir_verl.run_figures)
+FIGURE_DEFINITIONS = {
+    run_figures.REWARD: f"mean score of the rollouts over the last {SUMMARY_WINDOW} steps",
+    run_figures.VALIDATION_ACCURACY: "validation accuracy (mean@4 samples of 32 prompts) at the last validation",
+    run_figures.MARGIN: f"{MARGIN} over the last {SUMMARY_WINDOW} steps that mined pairs (training rollouts, "
+                        "preferred minus rejected)",
+    run_figures.PAIR_ACCURACY: f"{PAIR_ACCURACY} over the last {SUMMARY_WINDOW} steps that mined pairs (share "
+                               "of pairs with z > 0)",
+}
+NO_BRIER = "the toy task's responses state no confidence"
+
+
+def summary_figures(runs: dict[str, dict[int, dict[str, float]]]) -> dict[str, dict[str, float | None]]:
+    """{run: the figures of :mod:`amir_verl.run_figures`}, from the same rows as the table."""
+    return {row["run"]: {run_figures.REWARD: row["reward_end"], run_figures.VALIDATION_ACCURACY: row["val_acc_end"],
+                         run_figures.MARGIN: row["margin"], run_figures.PAIR_ACCURACY: row["pair_accuracy"],
+                         run_figures.BRIER: None} for row in summary_rows(runs)}
 
 
 def summary_table(runs: dict[str, dict[int, dict[str, float]]]) -> str:

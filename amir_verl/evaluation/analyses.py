@@ -305,9 +305,10 @@ def mean_response_log_probs(model, tokenizer, pairs: Sequence[tuple[str, str]], 
 
 
 def preference_margin(samples: Sequence[Sample], scores: Sequence[float]) -> tuple[pd.DataFrame, dict]:
-    """Per problem with both outcomes: mean l(correct) - mean l(incorrect), ``scores[i]`` being sample i's mean
-    response log-prob (:func:`mean_response_log_probs`; NaN, an empty response, is left out); summary: mean
-    margin and the number of problems with both outcomes."""
+    """Per problem with both outcomes: mean l(correct) - mean l(incorrect), and the pair accuracy, the share of
+    its (correct, incorrect) response pairs with l(correct) > l(incorrect); ``scores[i]`` is sample i's mean
+    response log-prob (:func:`mean_response_log_probs`; NaN, an empty response, is left out). Summary: the mean
+    margin and pair accuracy over those problems, and their number."""
     groups: dict[tuple[str, str], list[tuple[bool, float]]] = defaultdict(list)
     for s, lp in zip(samples, scores, strict=True):
         if not math.isnan(lp):
@@ -317,11 +318,15 @@ def preference_margin(samples: Sequence[Sample], scores: Sequence[float]) -> tup
         right = [lp for ok, lp in items if ok]
         wrong = [lp for ok, lp in items if not ok]
         if right and wrong:
+            ranked_right = sum(r > w for r in right for w in wrong)
             rows.append({"benchmark": _name(source), "problem_id": problem, "n_correct": len(right),
-                         "n_incorrect": len(wrong), "margin": sum(right) / len(right) - sum(wrong) / len(wrong)})
-    table = pd.DataFrame(rows, columns=["benchmark", "problem_id", "n_correct", "n_incorrect", "margin"])
-    mean = float(table["margin"].mean()) if len(table) else math.nan
-    return table, {"problems_with_both": len(table), "mean_margin": mean}
+                         "n_incorrect": len(wrong), "margin": sum(right) / len(right) - sum(wrong) / len(wrong),
+                         "pair_accuracy": ranked_right / (len(right) * len(wrong))})
+    table = pd.DataFrame(rows, columns=["benchmark", "problem_id", "n_correct", "n_incorrect", "margin",
+                                        "pair_accuracy"])
+    means = {column: float(table[column].mean()) if len(table) else math.nan for column in ("margin", "pair_accuracy")}
+    return table, {"problems_with_both": len(table), "mean_margin": means["margin"],
+                   "mean_pair_accuracy": means["pair_accuracy"]}
 
 
 def _shared_bins(values: pd.Series, bins: int, log: bool = False) -> list[float]:

@@ -212,8 +212,9 @@ def run_logprob_analysis(args) -> int:
         pd.concat([table.assign(run=name) for name, (table, _) in results.items()]).to_csv(csv_path, index=False)
         analyses.plot_margin(results, png)
         for name, (_, summary) in results.items():
-            print(f"{name}: mean preference margin {summary['mean_margin']:.4f} over "
-                  f"{summary['problems_with_both']} problems with correct and incorrect responses")
+            print(f"{name}: mean preference margin {summary['mean_margin']:.4f}, pair accuracy "
+                  f"{summary['mean_pair_accuracy']:.3f}, over {summary['problems_with_both']} problems with correct "
+                  "and incorrect responses")
     else:
         table = pd.concat([table.assign(run=name) for name, table in results.items()])
         table.to_csv(csv_path, index=False)

@@ -1,6 +1,6 @@
 """The paper's pipeline at miniature on a CPU, in one command, on a real pretrained chat model:
 
-    python -m amir_verl.paper_pipeline.pipeline [--workdir DIR] [--size default|test] [--gspo] [--seed 0]
+    python -m amir_verl.paper_pipeline.pipeline [--workdir DIR] [--size default|test|study] [--gspo] [--seed 0]
 
 Stages (each a command a user runs on a GPU cluster too, here with the CPU backend):
 
@@ -23,7 +23,8 @@ Stages (each a command a user runs on a GPU cluster too, here with the CPU backe
    and ``perplexity --model`` on the validation dumps and merged models (margin and perplexity share one
    scoring, ``--score-cache``); an analysis with nothing to measure (amir-eval's exit 3) is reported as such;
 8. a summary of GRPO against AMIR-GRPO (``<workdir>/summary.md``), every figure computed from the runs' files
-   (:mod:`amir_verl.paper_pipeline.report`).
+   (:mod:`amir_verl.paper_pipeline.report`), and each run's figures in ``<workdir>/summary.json``
+   (:mod:`amir_verl.run_figures`, what :mod:`amir_verl.study` compares).
 
 Everything goes under ``--workdir`` (default ``amir_cpu_paper``): ``data/``, ``models/``, ``outputs/<run>/``
 (verl's log, metrics, checkpoints, validation and rollout dumps), ``merged/<run>``, ``results/``.
@@ -55,7 +56,8 @@ from amir_verl.cpu.settings import cpu_settings
 from amir_verl.paper_pipeline import EVAL_BENCHMARKS, MODEL_NAME, REPO, VARIANTS, experiment
 from amir_verl.paper_pipeline.data import write_raw_datasets
 from amir_verl.evaluation.passk import NOTHING_TO_MEASURE, NOTHING_TO_MEASURE_PREFIX
-from amir_verl.paper_pipeline.report import Evaluated, summary
+from amir_verl.paper_pipeline.report import FIGURE_DEFINITIONS, Evaluated, pair_figures, summary
+from amir_verl.run_figures import write_summary
 
 RUN_SH = REPO / "recipes" / "paper" / "run.sh"
 RECIPE_CONFIG = REPO / "recipes" / "config"
@@ -110,6 +112,10 @@ SIZES = {
                     eval_problems=2, cold_start_steps=12, overlong_problems=1),
     "test": Size(steps=2, prompts_per_step=2, response_tokens=40, train_problems=16, gsm8k_test_problems=2,
                  eval_problems=1, cold_start_steps=8),
+    # one seed of `python -m amir_verl.study --task smollm2`: the test size's lengths, more steps and more
+    # validation problems with both outcomes to measure the margin on
+    "study": Size(steps=4, prompts_per_step=2, response_tokens=40, train_problems=32, gsm8k_test_problems=4,
+                  eval_problems=1, cold_start_steps=8),
 }
 RUN_TIMEOUT_S = 3600
 
@@ -325,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
 
     text = summary(work, pairs, metrics, outputs, size, merged)
     (work / "summary.md").write_text(text + "\n")
+    write_summary(work, MODEL_NAME, {label: figures for base, amir in pairs
+                                     for label, figures in pair_figures(work, base, amir, metrics, outputs, size).items()},
+                  FIGURE_DEFINITIONS)
     print(f"\n{text}\n")
     log(f"pipeline done in {time.monotonic() - start:.0f} s; summary: {work / 'summary.md'}")
     return 0

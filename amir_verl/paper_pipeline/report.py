@@ -14,6 +14,8 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import OmegaConf
 
+from amir_verl import run_figures
+from amir_verl.cpu.progress import validation_accuracy
 from amir_verl.metrics import LAMBDA, NUM_PAIRS, PREF_LOSS, PREF_TERM, REWARD, STEP_TIME, format_value
 from amir_verl.paper_pipeline import EVAL_BENCHMARKS, VARIANTS, experiment
 from amir_verl.prompt_filter import PREFIX as FILTER_PREFIX
@@ -157,12 +159,45 @@ def dropped_prompts(log: Path, validation_sources: int) -> list[tuple[str, int, 
     return found[-validation_sources:]
 
 
-def mean_margins(results: Path, base_label: str, amir_label: str) -> dict[str, float]:
+def mean_margins(results: Path, base_label: str, amir_label: str) -> dict[str, dict[str, float]]:
+    """{run: {"margin", "pair_accuracy"}}: amir-eval margin's per-problem figures averaged over the problems."""
     path = results / f"margin_{base_label}_vs_{amir_label}.csv"
     if not path.exists():
         return {}
     table = pd.read_csv(path)
-    return {run: float(group["margin"].mean()) for run, group in table.groupby("run")}
+    return {run: {column: float(group[column].mean()) for column in ("margin", "pair_accuracy")}
+            for run, group in table.groupby("run")}
+
+
+# how the pipeline measures the figures it writes to summary.json (amir_verl.run_figures)
+FIGURE_DEFINITIONS = {
+    run_figures.REWARD: "mean score of the last step's rollouts (verl's critic/score/mean)",
+    run_figures.VALIDATION_ACCURACY: "verl's val-core acc/mean@8 after the last step, mean over the benchmarks",
+    run_figures.MARGIN: "amir-eval margin on the last validation dump under the merged model, mean over problems "
+                        "with both outcomes",
+    run_figures.PAIR_ACCURACY: "amir-eval margin's pair accuracy on the same problems, mean over problems",
+    run_figures.BRIER: "amir-eval calibration's Brier score over the responses that state a confidence",
+}
+
+
+def pair_figures(work: Path, base: str, amir: str, metrics: dict, outputs: dict[str, Evaluated],
+                 size) -> dict[str, dict[str, float | None]]:
+    """{label: the figures of :mod:`amir_verl.run_figures`} of one pair of runs, from verl's metrics and
+    amir-eval's outputs (None where an analysis had nothing to measure)."""
+    margin, calibration = outputs.get(f"margin_{base}"), outputs.get(f"calibration_{base}")
+    margins = mean_margins(work / "results", VARIANTS[base], VARIANTS[amir]) if margin and not margin.not_measured else {}
+    briers = {m["run"]: float(m["stated"]) for m in BRIER.finditer(calibration.output if calibration else "")}
+    figures = {}
+    for variant in (base, amir):
+        label, trained = VARIANTS[variant], [m for s, m in sorted(metrics[variant].items()) if s > 0 and REWARD in m]
+        figures[label] = {
+            run_figures.REWARD: trained[-1][REWARD] if trained else None,
+            run_figures.VALIDATION_ACCURACY: validation_accuracy(metrics[variant].get(size.steps, {})),
+            run_figures.MARGIN: margins.get(label, {}).get("margin"),
+            run_figures.PAIR_ACCURACY: margins.get(label, {}).get("pair_accuracy"),
+            run_figures.BRIER: briers.get(label),
+        }
+    return figures
 
 
 def summary(work: Path, pairs: list[tuple[str, str]], metrics: dict, outputs: dict[str, Evaluated], size,
@@ -183,12 +218,14 @@ def summary(work: Path, pairs: list[tuple[str, str]], metrics: dict, outputs: di
         if table:
             parts += [f"### Validation accuracy per benchmark (mean@8), {labels[0]} vs {labels[1]}", _markdown(table),
                       resolution(work, base, size.steps)]
-        margin, calibration = outputs.get(f"margin_{base}"), outputs.get(f"calibration_{base}")
-        margins = mean_margins(work / "results", *labels) if margin and not margin.not_measured else {}
-        briers = {m["run"]: (m["stated"], m["missing"]) for m in BRIER.finditer(calibration.output if calibration else "")}
+        calibration = outputs.get(f"calibration_{base}")
+        figures = pair_figures(work, base, amir, metrics, outputs, size)
+        briers = {m["run"]: m["missing"] for m in BRIER.finditer(calibration.output if calibration else "")}
         parts.append("\n".join(
-            f"- {label}: preference margin (merged model, amir-eval margin) {format_value(margins.get(label), '+.4f')}; "
-            f"Brier (stated) {briers.get(label, ('-', '-'))[0]}, (missing as 1) {briers.get(label, ('-', '-'))[1]}"
+            f"- {label}: preference margin (merged model, amir-eval margin) "
+            f"{format_value(figures[label][run_figures.MARGIN], '+.4f')}, pair accuracy "
+            f"{format_value(figures[label][run_figures.PAIR_ACCURACY])}; Brier (stated) "
+            f"{format_value(figures[label][run_figures.BRIER], '.4f')}, (missing as 1) {briers.get(label, '-')}"
             for label in labels))
         not_measured = [f"- amir-eval {name.removesuffix(f'_{base}')}: not measured: {result.not_measured}"
                         for name, result in outputs.items() if result.not_measured and name.endswith(f"_{base}")]

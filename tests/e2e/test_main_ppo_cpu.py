@@ -21,6 +21,7 @@ import psutil
 import pytest
 import torch
 
+from amir_verl import run_figures
 from amir_verl.cpu.launch import GRACE_S, LoggedCommand, parse_step_metrics, run_logged, run_main_ppo
 from amir_verl.demo.quickstart import DEFAULT_STEPS, DEFAULT_WORKDIR, run_overrides
 from amir_verl.demo.toy_task import make_assets
@@ -285,6 +286,14 @@ def test_the_readmes_demo_prints_the_readmes_table_on_a_quiet_console_and_its_gr
     printed = (workdir / "summary.md").read_text().strip()
     assert printed in out
     assert printed == readme_table, f"the demo printed\n{printed}\nthe README shows\n{readme_table}"
+    figures = run_figures.read_summary(workdir)["runs"]  # what the study reads: the table's figures
+    for row in printed.splitlines()[2:]:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        run = figures[cells[0]]
+        assert cells[2].split(" -> ")[1] == f"{run[run_figures.REWARD]:.3f}"
+        assert cells[3].split(" -> ")[1] == f"{run[run_figures.VALIDATION_ACCURACY]:.3f}"
+        assert cells[4] == f"{run[run_figures.MARGIN]:+.3f}" and cells[5] == f"{run[run_figures.PAIR_ACCURACY]:.2f}"
+        assert run[run_figures.BRIER] is None
 
     for made in ("model/model.safetensors", "data/train.parquet", "data/test.parquet"):
         assert (workdir / made).read_bytes() == (tmp_path / "stock_assets" / made).read_bytes(), made

@@ -39,7 +39,7 @@ from amir_verl.paper_pipeline import MODEL_NAME
 from amir_verl.paper_pipeline.pipeline import CPU_OVERRIDES, SIZES, comparison_overrides
 from amir_verl.datasets import ROW_SCHEMA
 from amir_verl.evaluation.passk import DISPLAY_NAMES
-from amir_verl.metrics import NUM_PAIRS, PREF_LOSS, PREF_TERM
+from amir_verl.metrics import NUM_PAIRS, PREF_LOSS, PREF_TERM, REWARD
 from tests.support import REPO
 
 pytestmark = pytest.mark.e2e
@@ -302,3 +302,22 @@ def test_the_summary_states_what_the_runs_did_computed_from_their_files(pipeline
     for label in RUNS.values():
         assert f"| {label} |" in summary and f"- {label}: preference margin" in summary
     assert "one correct response more or less moves a benchmark's accuracy by 6.2 to 12.5 points" in summary
+
+
+def test_summary_json_holds_each_runs_figures_from_the_files(pipeline):
+    """What the study reads: the last step's reward, the benchmarks' mean validation accuracy, and the mean
+    margin and pair accuracy of amir-eval margin's CSV (or null where it had nothing to measure)."""
+    from amir_verl import run_figures
+
+    work, _ = pipeline
+    figures = run_figures.read_summary(work)["runs"]
+    margins = list(csv.DictReader((work / "results" / "margin_GRPO_vs_AMIR-GRPO.csv").open()))
+    for variant, label in RUNS.items():
+        steps = metrics(work, variant)
+        accuracies = [v for k, v in steps[SIZE.steps].items() if k.startswith("val-core/") and "/acc/mean@" in k]
+        assert figures[label][run_figures.REWARD] == steps[SIZE.steps][REWARD]
+        assert figures[label][run_figures.VALIDATION_ACCURACY] == pytest.approx(sum(accuracies) / len(accuracies))
+        rows = [r for r in margins if r["run"] == label]
+        for figure in (run_figures.MARGIN, run_figures.PAIR_ACCURACY):
+            expected = sum(float(r[figure]) for r in rows) / len(rows) if rows else None
+            assert figures[label][figure] == (pytest.approx(expected) if rows else None), (label, figure)

@@ -1,0 +1,111 @@
+"""The study's statistics against Student-t quantiles from a printed table, and its command (resume, refusals,
+a failed seed, the table) on a stand-in task that writes summary.json as the demo does."""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from amir_verl import run_figures
+from amir_verl.study import study
+from amir_verl.study.statistics import paired_difference
+from tests.support import paired_t_by_hand as by_hand
+
+
+@pytest.mark.parametrize("grpo, amir", [
+    ([0.1, 0.3], [0.2, 0.7]),
+    ([0.5, 0.2, 0.9], [0.4, 0.6, 1.0]),
+    ([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8], [0.15, 0.1, 0.45, 0.4, 0.9, 0.5, 0.75, 0.95]),
+])
+def test_the_paired_interval_is_the_textbook_one(grpo, amir):
+    d = paired_difference(grpo, amir)
+    mean, half = by_hand([a - g for g, a in zip(grpo, amir)])
+    assert d.seeds == len(grpo) and d.mean == pytest.approx(mean)
+    assert d.low == pytest.approx(mean - half, rel=1e-3) and d.high == pytest.approx(mean + half, rel=1e-3)
+    assert d.grpo_mean == pytest.approx(sum(grpo) / len(grpo)) and d.amir_mean == pytest.approx(sum(amir) / len(amir))
+    assert d.amir_higher == sum(a > g for g, a in zip(grpo, amir)) and d.amir_lower == sum(a < g for g, a in zip(grpo, amir))
+
+
+def test_missing_values_drop_their_seed_and_degenerate_cases_are_defined():
+    d = paired_difference([0.1, None, 0.3, 0.2, float("nan")], [0.2, 0.5, 0.6, None, 0.9])
+    mean, half = by_hand([0.1, 0.3])  # seeds 0 and 2 only
+    assert d.seeds == 2 and d.mean == pytest.approx(mean) and d.high - d.low == pytest.approx(2 * half, rel=1e-3)
+    one = paired_difference([0.1, None], [0.4, 0.2])  # one seed: a difference, no interval
+    assert one.seeds == 1 and one.mean == pytest.approx(0.3) and math.isnan(one.low) and math.isnan(one.high)
+    none = paired_difference([None, None], [0.1, 0.2])
+    assert none.seeds == 0 and math.isnan(none.mean)
+    same = paired_difference([0.1, 0.2, 0.3], [0.2, 0.3, 0.4])  # the same difference on every seed
+    assert same.low == pytest.approx(0.1) and same.high == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="pair them by seed"):
+        paired_difference([0.1], [0.1, 0.2])
+    with pytest.raises(ValueError, match="confidence"):
+        paired_difference([0.1, 0.2], [0.1, 0.2], confidence=95)
+
+
+FIGURE_VALUES = {  # seed -> (GRPO, AMIR) margin; the other figures follow from it
+    0: (-0.30, -0.10), 1: (-0.20, -0.15), 2: (-0.25, 0.05)}
+
+
+def stand_in_task(calls: list, fail_on: int | None = None) -> study.Task:
+    """A task whose 'training' writes summary.json as the demo does: the toy's figures, no Brier."""
+
+    def main(argv):
+        folder, seed = argv[argv.index("--workdir") + 1], int(argv[argv.index("--seed") + 1])
+        calls.append(seed)
+        if seed == fail_on:
+            return 1
+        runs = {label: {run_figures.REWARD: 0.1 + seed, run_figures.VALIDATION_ACCURACY: None,
+                        run_figures.MARGIN: FIGURE_VALUES[seed][i], run_figures.PAIR_ACCURACY: 0.5,
+                        run_figures.BRIER: None} for i, label in enumerate((study.BASE, study.AMIR))}
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        run_figures.write_summary(Path(folder), "stand-in", runs, {}, {run_figures.BRIER: "no confidence stated"})
+        return 0
+
+    return study.Task("toy", "a stand-in", 40, main, study.TASKS["toy"].argv)
+
+
+def test_the_study_resumes_refuses_other_settings_and_reports_a_failed_seed(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setitem(study.TASKS, "toy", stand_in_task(calls, fail_on=2))
+    work = tmp_path / "s"
+    args = ["--task", "toy", "--seeds", "3", "--workdir", str(work)]
+    assert study.main(args) == 1
+    err = capsys.readouterr().err
+    assert "seed 2: the toy pair stopped with exit status 1" in err and "resume from seed 2" in err
+    assert calls == [0, 1, 2]
+
+    monkeypatch.setitem(study.TASKS, "toy", stand_in_task(calls))
+    assert study.main(args) == 0  # seeds 0 and 1 are read, only 2 is trained
+    out = capsys.readouterr().out
+    assert calls == [0, 1, 2, 2]
+    assert "seed 0 (1 of 3): done earlier" in out and "seed 2 AMIR-GRPO: reward 2.100" in out
+    mean, half = by_hand([a - g for g, a in FIGURE_VALUES.values()])
+    table = (work / "study.md").read_text()
+    row = re.search(r"^\| margin \| 3 \| -0.2500 \| -0.0667 \| (\S+) \| \[(\S+), (\S+)\] \| 3 / 0 \|$", table, re.M)
+    assert [float(x) for x in row.groups()] == pytest.approx([mean, mean - half, mean + half], abs=2e-4)
+    assert "| validation_accuracy | 0 | - | - | - | - | - |" in table
+    assert "| pair_accuracy | 3 | 0.5000 | 0.5000 | +0.0000 | [+0.0000, +0.0000] | 0 / 0 |" in table
+    assert "- brier: not measured: no confidence stated" in table
+    assert "Intervals that exclude 0: none." in table  # margin's interval contains 0 at 3 seeds
+    rows = (work / "study.csv").read_text().splitlines()
+    assert rows[0] == "seed,run,reward,validation_accuracy,margin,pair_accuracy,brier" and len(rows) == 7
+    assert (work / "study.png").stat().st_size > 10_000
+
+    assert study.main([*args, "--steps", "5"]) == 2  # the recorded study ran 40 steps
+    assert "other settings (steps 40 -> 5)" in capsys.readouterr().err
+    assert json.loads((work / "study.json").read_text())["steps"] == 40
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    assert study.main(["--task", "toy", "--workdir", str(tmp_path / "other")]) == 2
+    assert "holds other files" in capsys.readouterr().err
+
+
+def test_bad_arguments_are_refused(capsys):
+    for args, message in ((["--task", "toy", "--seeds", "1"], "at least 2"),
+                          (["--task", "smollm2", "--steps", "3"], "pipeline size"),
+                          (["--task", "toy", "--steps", "0"], "at least 1")):
+        with pytest.raises(SystemExit) as exit_info:
+            study.main(args)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
