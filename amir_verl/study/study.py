@@ -227,7 +227,7 @@ def run_study(task: Task, workdir: Path, seeds: list[int], steps: int | None, ov
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m amir_verl.study", description=__doc__.splitlines()[0].rstrip(":"))
     p.add_argument("--task", choices=list(TASKS), required=True)
     p.add_argument("--seeds", type=int, default=8, help="number of seeds (pairs of runs)")
     p.add_argument("--first-seed", type=int, default=0)
