@@ -100,6 +100,14 @@ def test_the_study_resumes_refuses_other_settings_and_reports_a_failed_seed(tmp_
     (tmp_path / "other" / "notes.txt").write_text("mine")
     assert study.main(["--task", "toy", "--workdir", str(tmp_path / "other")]) == 2
     assert "holds other files" in capsys.readouterr().err
+    assert study.main(["--task", "toy", "--workdir", str(tmp_path / "other" / "notes.txt")]) == 2
+    assert "is a file" in capsys.readouterr().err
+
+
+def test_the_demo_labels_its_runs_as_the_pipeline_does():
+    from amir_verl.demo.quickstart import RUNS
+
+    assert [label for label, _ in RUNS.values()] == [study.BASE, study.AMIR]
 
 
 def test_bad_arguments_are_refused(capsys):

@@ -33,9 +33,10 @@ from typing import Callable
 
 from amir_verl import run_figures
 from amir_verl.metrics import format_value
+from amir_verl.paper_pipeline import VARIANTS
 from amir_verl.study.statistics import CONFIDENCE, PairedDifference, paired_difference
 
-BASE, AMIR = "GRPO", "AMIR-GRPO"  # the labels both programs give the pair in summary.json
+BASE, AMIR = VARIANTS["grpo"], VARIANTS["amir_grpo"]  # the pair's labels in summary.json (the demo's too)
 # The study's deviation from the paper recipe on SmolLM2: at the recipe's lr 5e-6 a few LoRA steps moved the
 # merged weights by under 1e-6 and changed no sampled response, so there was nothing to compare; LoRA is
 # usually trained at 1e-4 to 2e-4. Measured at seed 0 (README): 2e-4 moves both runs alike and still changed
@@ -93,6 +94,8 @@ def seed_dir(workdir: Path, seed: int) -> Path:
 def claim_workdir(workdir: Path, settings: dict) -> None:
     """Record the study's settings in ``workdir`` or check them against the ones recorded: results of
     other settings are never mixed in."""
+    if workdir.exists() and not workdir.is_dir():
+        raise StudyError(f"--workdir {workdir} is a file; give a folder", 2)
     path = workdir / STUDY_FILE
     if path.exists():
         recorded = json.loads(path.read_text())

@@ -10,11 +10,13 @@ import sys
 
 import pytest
 
+from amir_verl import run_figures
+from amir_verl.study.study import AMIR, BASE
 from amir_verl.metrics import LAMBDA, MARGIN, NUM_PAIRS, PAIR_ACCURACY, REWARD
 from tests.support import paired_t_by_hand
 
 pytestmark = pytest.mark.e2e
-FIGURES = ("reward", "validation_accuracy", "margin", "pair_accuracy")  # the toy task's (no Brier)
+FIGURES = tuple(f for f in run_figures.FIGURES if f != run_figures.BRIER)  # the toy task's
 
 
 def mean(values):
@@ -34,24 +36,24 @@ def test_the_toy_study_reports_each_seeds_own_figures_and_the_paired_interval(tm
     by_seed_run = {(int(r["seed"]), r["run"]): r for r in rows}
     for seed in (0, 1):
         assert f"data.seed={seed}" in (work / f"seed_{seed}" / "amir_grpo" / "command.txt").read_text()
-        for run, label in (("grpo", "GRPO"), ("amir_grpo", "AMIR-GRPO")):
+        for run, label in (("grpo", BASE), ("amir_grpo", AMIR)):
             steps = {row["step"]: row for row in map(json.loads, (work / f"seed_{seed}" / run / "metrics.jsonl")
                                                      .read_text().splitlines())}
             with_pairs = [steps[s] for s in (1, 2) if steps[s][NUM_PAIRS]]
             assert with_pairs, "the toy task mines pairs from step 1 on"
-            expected = {"reward": mean([steps[s][REWARD] for s in (1, 2)]),
-                        "validation_accuracy": mean([v for k, v in steps[2].items() if k.startswith("val-core/")
-                                                     and "/acc/mean@" in k]),
-                        "margin": mean([m[MARGIN] for m in with_pairs]),
-                        "pair_accuracy": mean([m[PAIR_ACCURACY] for m in with_pairs])}
+            expected = {run_figures.REWARD: mean([steps[s][REWARD] for s in (1, 2)]),
+                        run_figures.VALIDATION_ACCURACY: mean([v for k, v in steps[2].items()
+                                                               if k.startswith("val-core/") and "/acc/mean@" in k]),
+                        run_figures.MARGIN: mean([m[MARGIN] for m in with_pairs]),
+                        run_figures.PAIR_ACCURACY: mean([m[PAIR_ACCURACY] for m in with_pairs])}
             row = by_seed_run[(seed, label)]
             assert {f: float(row[f]) for f in FIGURES} == pytest.approx(expected), (seed, label)
-            assert row["brier"] == ""
+            assert row[run_figures.BRIER] == ""
             assert (steps[2][LAMBDA] == 0.0) == (run == "grpo")
 
     table = (work / "study.md").read_text()
     for figure in FIGURES:
-        grpo, amir = ([float(by_seed_run[(s, label)][figure]) for s in (0, 1)] for label in ("GRPO", "AMIR-GRPO"))
+        grpo, amir = ([float(by_seed_run[(s, label)][figure]) for s in (0, 1)] for label in (BASE, AMIR))
         diff, half = paired_t_by_hand([a - g for g, a in zip(grpo, amir)])
         line = re.search(rf"^\| {figure} \| 2 \| (\S+) \| (\S+) \| (\S+) \| \[(\S+), (\S+)\] \| (\d) / (\d) \|$", table, re.M)
         assert line, (figure, table)
