@@ -20,7 +20,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from amir_verl.cpu.launch import main_ppo_command, parse_step_metrics, run_main_ppo_together
+from amir_verl.cpu.launch import main_ppo_command, read_verl_metrics, run_main_ppo_together, verl_metrics_path
 from amir_verl.demo.quickstart import toy_grpo_overrides
 from amir_verl.demo.toy_task import make_assets
 from amir_verl.run_config import AMIR_TRAINER_MODES, amir_overrides
@@ -56,10 +56,11 @@ def main() -> None:
     for schedule in args.schedules.split(","):
         print(f"[bench] {schedule}: GRPO on {schedule} and AMIR-GRPO on {BASE_MODES[schedule]}, side by side, "
               f"{args.steps} steps (logs under {root / schedule})", flush=True)
-        outputs = run_main_ppo_together(pair_commands(assets, root, schedule, args.steps), timeout=1800)
+        commands = pair_commands(assets, root, schedule, args.steps)
+        run_main_ppo_together(commands, timeout=1800)
         medians = {}
-        for name, output in outputs.items():
-            steps = parse_step_metrics(output)
+        for name, command in commands.items():
+            steps = read_verl_metrics(verl_metrics_path(command.log_path))
             medians[name] = {phase: statistics.median(sum(steps[s].get(f"timing_s/{p}", 0.0) for p in parts)
                                                       for s in sorted(steps)[1:])
                              for phase, parts in PHASES.items()}

@@ -1,5 +1,6 @@
 """The quickstart's launcher, report and bad-use answers, without main_ppo (see tests/e2e for the real runs)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -7,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 
@@ -14,12 +16,13 @@ from amir_verl.cpu.launch import (
     LoggedCommand,
     MainPPOFailed,
     failure_reason,
-    parse_metrics_line,
-    parse_step_metrics,
+    main_ppo_env,
+    read_verl_metrics,
     run_logged,
     run_logged_together,
+    verl_metrics_path,
 )
-from amir_verl.cpu.progress import progress_line, validation_accuracy
+from amir_verl.cpu.progress import RunProgress, progress_line, validation_accuracy
 from amir_verl.demo.quickstart import MARKER, QuickstartError, main, prepare_workdir
 from amir_verl.demo.report import moving_average, plot_runs, summary_rows, summary_table
 from amir_verl.metrics import GRAD_SHARE, LAMBDA, MARGIN, NUM_PAIRS, PAIR_ACCURACY, REWARD, STEP_TIME
@@ -174,13 +177,69 @@ def test_main_ppo_failed_carries_the_reason_and_log(tmp_path):
     assert error.reason == "ValueError: x" and "full log: " in str(error) and "tail of the output" in str(error)
 
 
-def test_parse_metrics_reads_verls_console_lines():
-    line = "(TaskRunnerV1 pid=1) step:3 - critic/score/mean:np.float64(0.25) - amir/lambda:0.5 - tag:abc"
-    assert parse_metrics_line(line) == (3, {REWARD: 0.25, LAMBDA: 0.5})
-    assert parse_metrics_line("step:x - a:1") is None and parse_metrics_line("nothing here") is None
-    output = "step:0 - val-core/t/acc/mean@4:0.1\n" + line + "\nstep:3 - timing_s/step:1.5\n"
-    assert parse_step_metrics(output) == {0: {"val-core/t/acc/mean@4": 0.1},
-                                          3: {REWARD: 0.25, LAMBDA: 0.5, STEP_TIME: 1.5}}
+def verl_file_logger(monkeypatch, log_path: Path):
+    """verl's own file logger, writing where a run launched with ``log_path`` has it write."""
+    from verl.utils.tracking import FileLogger
+
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", main_ppo_env(log_path)["VERL_FILE_LOGGER_PATH"])
+    return FileLogger("project", "experiment")
+
+
+def test_metrics_come_from_verls_file_logger_numbers_only_nan_kept(monkeypatch, tmp_path):
+    assert main_ppo_env()["VERL_FILE_LOGGER_PATH"] == os.devnull  # no log: verl's file logger writes nowhere
+    logger = verl_file_logger(monkeypatch, tmp_path / "main_ppo.log")
+    logger.log({"val-core/t/acc/mean@4": np.float64(0.1)}, step=0)
+    logger.log({REWARD: np.float32(0.25), LAMBDA: 0.5, NUM_PAIRS: 3, "flag": True, "tag": "abc",
+                MARGIN: float("nan")}, step=3)
+    logger.log({STEP_TIME: 1.5}, step=3)
+    logger.finish()
+    steps = read_verl_metrics(verl_metrics_path(tmp_path / "main_ppo.log"))
+    assert set(steps) == {0, 3} and steps[0] == {"val-core/t/acc/mean@4": 0.1}
+    assert {k: v for k, v in steps[3].items() if k != MARGIN} == {REWARD: 0.25, LAMBDA: 0.5, NUM_PAIRS: 3.0,
+                                                                  STEP_TIME: 1.5}
+    assert np.isnan(steps[3][MARGIN])  # orjson writes NaN as null: read back as NaN, not dropped
+    assert read_verl_metrics(tmp_path / "absent.jsonl") == {}
+
+
+def test_a_console_line_split_in_pieces_loses_no_metric(monkeypatch, tmp_path, capsys):
+    """Ray forwards a worker's long line in pieces under load (a paper run's 50 kB validation line arrived as
+    two): the progress follows verl's file logger, so every key of the step reaches metrics.jsonl, once."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    verl_metrics_path(run_dir / "main_ppo.log").write_text("{\"step\": 9, \"data\": {}}\n")  # an earlier run's
+    progress = RunProgress("amir_grpo", run_dir, total_steps=4)
+    logger = verl_file_logger(monkeypatch, progress.log_path)
+    benchmarks = [f"val-core/bench{b}/acc/mean@8" for b in range(7)]
+    step = {**{key: 0.125 * b for b, key in enumerate(benchmarks)},
+            **{f"val-aux/bench{b}/extra{k}/mean@8": float(k) for b in range(7) for k in range(400)}, REWARD: 0.5}
+    logger.log(step, step=4)
+    console = "(TaskRunnerV1 pid=7) step:4 - " + " - ".join(f"{k}:{v}" for k, v in step.items())
+    assert len(console) > 50_000
+    for piece in (console[:20_000], "(TaskRunnerV1 pid=7) " + console[20_000:]):
+        progress(piece)
+    progress.close()
+    logger.finish()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 4, **step}] and progress.steps == {4: step}
+    printed = capsys.readouterr().out
+    assert printed.count("[amir_grpo] step  4/4") == 1 and "(mean of 7 benchmarks)" in printed
+
+
+def test_a_record_still_being_written_waits_for_its_end(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    progress = RunProgress("grpo", run_dir, total_steps=2)
+    record = json.dumps({"step": 1, "data": {REWARD: 0.75}}).encode() + b"\n"
+    source = verl_metrics_path(progress.log_path)
+    source.write_bytes(record[:10])
+    progress("any line")
+    assert progress.steps == {}
+    with open(source, "ab") as out:
+        out.write(record[10:])
+    progress("another line")
+    progress.close()
+    assert progress.steps == {1: {REWARD: 0.75}}
+    assert (run_dir / "metrics.jsonl").read_text() == json.dumps({"step": 1, REWARD: 0.75}) + "\n"
 
 
 # ---- report ----------------------------------------------------------------------------------------------

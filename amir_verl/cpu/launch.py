@@ -9,6 +9,8 @@ side by side (:func:`run_main_ppo_together`), each with a Ray of its own.
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import re
 import signal
@@ -22,7 +24,6 @@ from typing import Callable
 
 from amir_verl.cpu import SWITCH
 
-_NUMPY_SCALAR = re.compile(r"^np\.\w+\((.*)\)$")
 GRACE_S = 5.0  # SIGTERM to SIGKILL
 
 
@@ -36,35 +37,39 @@ class MainPPOFailed(RuntimeError):
         super().__init__(f"main_ppo exited with {returncode}: {reason}{where}\n{output[-6000:]}")
 
 
-def parse_metrics_line(line: str) -> tuple[int, dict[str, float]] | None:
-    """One line of verl's console logger, ``... step:N - key:value - ...`` -> (N, {key: value}) (numbers
-    only; verl prints numpy scalars as ``np.float64(0.5)``); None for any other line."""
-    at = line.find("step:")
-    if at < 0 or " - " not in line[at:]:
-        return None
-    fields = line[at:].strip().split(" - ")
-    try:
-        step = int(fields[0].split(":", 1)[1])
-    except ValueError:
-        return None
+VERL_METRICS_FILE = "verl_metrics.jsonl"  # verl's file logger's output, beside the run's main_ppo.log
+
+
+def verl_metrics_path(log_path: Path) -> Path:
+    """Where a run logged to ``log_path`` has verl's file logger (``trainer.logger`` ``file``) write its metrics."""
+    return log_path.with_name(VERL_METRICS_FILE)
+
+
+def parse_verl_metrics_record(raw: bytes | str) -> tuple[int, dict[str, float]]:
+    """One line of verl's ``FileLogger`` (``verl/utils/tracking.py``), ``{"step": N, "data": {key: value}}`` ->
+    (N, {key: value}), numbers only. orjson writes NaN and infinities as ``null``: those come back as NaN."""
+    record = json.loads(raw)
     metrics = {}
-    for field in fields[1:]:
-        key, _, raw = field.rpartition(":")
-        match = _NUMPY_SCALAR.match(raw)
-        try:
-            metrics[key] = float(match.group(1) if match else raw)
-        except ValueError:
-            pass
-    return step, metrics
+    for key, value in record["data"].items():
+        if value is None:
+            metrics[key] = math.nan
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            metrics[key] = float(value)
+    return int(record["step"]), metrics
 
 
-def parse_step_metrics(output: str) -> dict[int, dict[str, float]]:
-    """All of verl's console metric lines of ``output`` -> {step: {key: value}} (lines of a step merged)."""
+def read_verl_metrics(path: Path) -> dict[int, dict[str, float]]:
+    """A run's metrics as verl's file logger wrote them (:func:`verl_metrics_path`) -> {step: {key: value}}
+    (the records of a step merged; step 0 holds the validation before training); {} if verl wrote none.
+
+    The file, not verl's console line: Ray forwards a worker's long line in pieces under load (a 50 kB
+    validation line once reached the launcher as two), and a piece lost is a metric silently missing."""
     steps: dict[int, dict[str, float]] = {}
-    for line in output.splitlines():
-        parsed = parse_metrics_line(line)
-        if parsed is not None:
-            steps.setdefault(parsed[0], {}).update(parsed[1])
+    if path.exists():
+        for raw in path.read_bytes().splitlines():
+            if raw.strip():
+                step, metrics = parse_verl_metrics_record(raw)
+                steps.setdefault(step, {}).update(metrics)
     return steps
 
 
@@ -222,18 +227,23 @@ def run_logged(cmd: list[str], env: dict[str, str] | None = None, log_path: Path
     return run_logged_together({name: LoggedCommand(cmd, env, log_path, on_line)}, timeout)[name]
 
 
-def main_ppo_env() -> dict[str, str]:
-    """The environment of a CPU-backend main_ppo: the switch on."""
-    return dict(os.environ, **{SWITCH: "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"})
+def main_ppo_env(log_path: Path | None = None) -> dict[str, str]:
+    """The environment of a CPU-backend main_ppo: the switch on, and verl's file logger writing to
+    :func:`verl_metrics_path` of ``log_path`` (nowhere without one: verl would write into the working
+    directory)."""
+    metrics = verl_metrics_path(log_path) if log_path is not None else Path(os.devnull)
+    return dict(os.environ, **{SWITCH: "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0",
+                               "VERL_FILE_LOGGER_PATH": str(metrics)})
 
 
 def main_ppo_command(overrides: list[str], log_path: Path | None = None,
                      on_line: Callable[[str], None] | None = None) -> LoggedCommand:
     """``python -m verl.trainer.main_ppo <overrides>`` on the CPU backend, its output to ``log_path`` and
-    ``on_line``; with neither it is echoed to stdout."""
+    ``on_line`` (with neither it is echoed to stdout), its metrics to :func:`verl_metrics_path` of ``log_path``."""
     if log_path is None and on_line is None:
         on_line = lambda line: print(line, end="", flush=True)  # noqa: E731
-    return LoggedCommand([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], main_ppo_env(), log_path, on_line)
+    return LoggedCommand([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], main_ppo_env(log_path), log_path,
+                         on_line)
 
 
 def run_main_ppo_together(runs: dict[str, LoggedCommand], timeout: float | None = None) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """What a CPU run of main_ppo says while it trains: one console line per step, and its metrics to
-``metrics.jsonl``, as the demo and the paper pipeline show them (from verl's console metric lines,
-:func:`amir_verl.cpu.launch.parse_metrics_line`)."""
+``metrics.jsonl``, as the demo and the paper pipeline show them (from verl's file logger,
+:func:`amir_verl.cpu.launch.verl_metrics_path`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import threading
 from pathlib import Path
 
-from amir_verl.cpu.launch import parse_metrics_line
+from amir_verl.cpu.launch import parse_verl_metrics_record, verl_metrics_path
 from amir_verl.metrics import LAMBDA, MARGIN, NUM_PAIRS, REWARD, STEP_TIME, format_value
 
 
@@ -50,22 +50,46 @@ _CONSOLE = threading.Lock()
 
 
 class RunProgress:
-    """Reads a run's main_ppo output line by line: metrics to ``metrics.jsonl``, one console line per step."""
+    """Follows a run whose verl output goes to ``run_dir/main_ppo.log``: each step's metrics, as verl's file
+    logger writes them (:func:`amir_verl.cpu.launch.verl_metrics_path`), to ``run_dir/metrics.jsonl`` (one
+    ``{"step": N, key: value, ...}`` a step) and one console line per step.
+
+    Called with each line of the run's output (``on_line``), it reads what the file logger added since; ``close``
+    reads the rest. Not from verl's console line: Ray forwards a long line in pieces under load, and the pieces
+    that do not hold ``step:`` would be lost."""
 
     def __init__(self, run: str, run_dir: Path, total_steps: int):
         self.run, self.total_steps = run, total_steps
         self.steps: dict[int, dict[str, float]] = {}
+        self.log_path = run_dir / "main_ppo.log"
+        self._source = verl_metrics_path(self.log_path)
+        self._source.unlink(missing_ok=True)  # an earlier run's, until verl opens it afresh
+        self._read_to, self._partial = 0, b""
+        self._lock = threading.Lock()  # the output reader thread and close()
         self._jsonl = open(run_dir / "metrics.jsonl", "w", buffering=1)
 
     def __call__(self, line: str) -> None:
-        parsed = parse_metrics_line(line)
-        if parsed is None:
+        with self._lock:
+            self._read_new_records()
+
+    def _read_new_records(self) -> None:
+        try:
+            with open(self._source, "rb") as source:
+                source.seek(self._read_to)
+                chunk = source.read()
+        except FileNotFoundError:
             return
-        step, metrics = parsed
-        self.steps.setdefault(step, {}).update(metrics)
-        self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-        with _CONSOLE:  # runs side by side print from their own reader threads: whole lines only
-            print(progress_line(self.run, step, self.total_steps, metrics), flush=True)
+        self._read_to += len(chunk)
+        *records, self._partial = (self._partial + chunk).split(b"\n")  # a record still being written waits
+        for raw in filter(bytes.strip, records):
+            step, metrics = parse_verl_metrics_record(raw)
+            self.steps.setdefault(step, {}).update(metrics)
+            self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+            with _CONSOLE:  # runs side by side print from their own reader threads: whole lines only
+                print(progress_line(self.run, step, self.total_steps, metrics), flush=True)
 
     def close(self) -> None:
-        self._jsonl.close()
+        with self._lock:
+            if not self._jsonl.closed:
+                self._read_new_records()
+                self._jsonl.close()

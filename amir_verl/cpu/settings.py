@@ -29,7 +29,9 @@ def cpu_settings(logical_gpus: int = 1) -> list[str]:
         # shutdown of the TaskRunner used to kill them mid-iteration ("DataLoader worker ... is killed")
         "data.dataloader_num_workers=0",
         "reward.num_workers=1",
-        "trainer.logger=[console]",
+        # verl's metrics to a file too (amir_verl.cpu.launch.verl_metrics_path): what the progress lines, the reports
+        # and the tests read
+        "trainer.logger=[console,file]",
         "+ray_kwargs.ray_init.num_cpus=16",  # logical: verl's workers, TransferQueue and reward actors
         f"+ray_kwargs.ray_init.num_gpus={logical_gpus}",  # logical: verl's resource pools ask for them
         "+ray_kwargs.ray_init.include_dashboard=False",

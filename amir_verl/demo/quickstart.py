@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 "AMIR_VERL_CPU=1 python -m verl.trainer.main_ppo \\\n    " + " \\\n    ".join(overrides) + "\n")
             progress[run] = RunProgress(run, run_dir, args.steps)
             results[label] = progress[run].steps
-            commands[run] = main_ppo_command(overrides, log_path=run_dir / "main_ppo.log", on_line=progress[run])
+            commands[run] = main_ppo_command(overrides, log_path=progress[run].log_path, on_line=progress[run])
         for batch in [[run] for run in runs] if args.one_at_a_time else [runs]:
             for run in batch:
                 print(f"[{run}] {RUNS[run][0]}: starting main_ppo (Ray, workers, model); "

@@ -200,12 +200,14 @@ def comparison_overrides(variant: str, pair: tuple[str, str], adapter: Path) -> 
             *(["trainer.val_before_train=False"] if variant != pair[0] else [])]
 
 
-def run_command(variant: str, model: Path, data: Path, outputs: Path, size: Size, extra: list[str]) -> LoggedCommand:
-    """``recipes/paper/run.sh smollm2-135m <variant>`` with the CPU overrides, on the CPU backend."""
-    env = dict(main_ppo_env(), MODEL_PATH=str(model), NGPUS="1", NNODES="1", AMIR_DATA=str(data),
+def run_command(variant: str, model: Path, data: Path, outputs: Path, size: Size, extra: list[str],
+                log_path: Path) -> LoggedCommand:
+    """``recipes/paper/run.sh smollm2-135m <variant>`` with the CPU overrides, on the CPU backend, verl's output
+    to ``log_path`` and its metrics beside it (:func:`amir_verl.cpu.launch.verl_metrics_path`)."""
+    env = dict(main_ppo_env(log_path), MODEL_PATH=str(model), NGPUS="1", NNODES="1", AMIR_DATA=str(data),
                AMIR_OUTPUT=str(outputs), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     cmd = ["bash", str(RUN_SH), MODEL_NAME, variant, *CPU_OVERRIDES, *size.overrides(), *extra]
-    return LoggedCommand(cmd, env)
+    return LoggedCommand(cmd, env, log_path)
 
 
 def train(work: Path, pairs: list[tuple[str, str]], model: Path, adapter: Path, data: Path, size: Size,
@@ -219,13 +221,14 @@ def train(work: Path, pairs: list[tuple[str, str]], model: Path, adapter: Path, 
         run_dir = outputs / experiment(variant)
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
+        progress[variant] = RunProgress(variant, run_dir, size.steps)
         command = commands[variant] = run_command(variant, model, data, outputs, size,
-                                                  [*comparison_overrides(variant, pair, adapter), *extra])
+                                                  [*comparison_overrides(variant, pair, adapter), *extra],
+                                                  progress[variant].log_path)
+        command.on_line = progress[variant]
         (run_dir / "command.txt").write_text(" ".join(f"{k}={v}" for k, v in command.env.items()
                                                       if k in ("MODEL_PATH", "NGPUS", "AMIR_DATA", "AMIR_OUTPUT"))
                                              + " \\\n    " + " \\\n    ".join(command.cmd) + "\n")
-        progress[variant] = RunProgress(variant, run_dir, size.steps)
-        command.log_path, command.on_line = run_dir / "main_ppo.log", progress[variant]
         log(f"{variant}: recipes/paper/run.sh {MODEL_NAME} {variant}; verl's output: {command.log_path}")
     try:
         for pair in pairs:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from amir_verl.cpu.launch import LoggedCommand, main_ppo_command, parse_step_metrics, run_main_ppo_together
+from amir_verl.cpu.launch import LoggedCommand, main_ppo_command, read_verl_metrics, run_main_ppo_together, verl_metrics_path
 from amir_verl.demo.quickstart import toy_grpo_overrides
 
 
@@ -22,7 +22,8 @@ def train_command(assets, workdir: Path, steps: int, extra: list[str], **kwargs)
 
 def train_side_by_side(commands: dict[str, LoggedCommand]) -> dict[str, dict[int, dict[str, float]]]:
     """Independent runs at once (each with its own Ray): on 2 cores one run leaves about a third idle."""
-    return {name: parse_step_metrics(output) for name, output in run_main_ppo_together(commands, timeout=900).items()}
+    run_main_ppo_together(commands, timeout=900)
+    return {name: read_verl_metrics(verl_metrics_path(command.log_path)) for name, command in commands.items()}
 
 
 def train(assets, workdir: Path, steps: int, extra: list[str], **kwargs) -> dict[int, dict[str, float]]:

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from amir_verl import run_figures
-from amir_verl.cpu.launch import GRACE_S, LoggedCommand, parse_step_metrics, run_logged, run_main_ppo
+from amir_verl.cpu.launch import GRACE_S, LoggedCommand, read_verl_metrics, run_logged, run_main_ppo, verl_metrics_path
 from amir_verl.demo.quickstart import DEFAULT_STEPS, DEFAULT_WORKDIR, run_overrides
 from amir_verl.demo.toy_task import make_assets
 from amir_verl.run_config import amir_overrides
@@ -264,8 +264,9 @@ def test_the_readmes_demo_prints_the_readmes_table_on_a_quiet_console_and_its_gr
     workdir = tmp_path / DEFAULT_WORKDIR
     # stock GRPO beside it, from assets made the same way (the same seeds)
     assets, stock_steps = make_assets(tmp_path / "stock_assets"), 3
-    stock = parse_step_metrics(run_main_ppo(run_overrides(assets, tmp_path / "stock", stock_steps, 0, GRPO_BASE),
-                                            log_path=tmp_path / "stock.log", timeout=900))
+    run_main_ppo(run_overrides(assets, tmp_path / "stock", stock_steps, 0, GRPO_BASE), log_path=tmp_path / "stock.log",
+                 timeout=900)
+    stock = read_verl_metrics(verl_metrics_path(tmp_path / "stock.log"))
     out, err = proc.communicate(timeout=1800)
     assert proc.returncode == 0, err[-3000:] + out[-3000:]
     assert err == "" and "Traceback" not in out
