@@ -197,7 +197,7 @@ def test_a_ray_actor():
     """verl's reward workers are Ray actors."""
     import ray
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, address="local")  # not a Ray running beside
     try:
         @ray.remote
         class Grader:

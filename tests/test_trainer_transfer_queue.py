@@ -53,7 +53,7 @@ FIXED_LAMBDA = 0.5
 
 @pytest.fixture(scope="module")
 def transfer_queue():
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, address="local")  # not a Ray running beside
     config = compose_verl(GRPO)
     tq_conf = config.transfer_queue
     tq_conf.backend.SimpleStorage.num_data_storage_units = 1
