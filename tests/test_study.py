@@ -117,3 +117,27 @@ def test_bad_arguments_are_refused(capsys):
         with pytest.raises(SystemExit) as exit_info:
             study.main(args)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_smollm2_study_changes_the_lambda_rule_of_the_amir_run_only(monkeypatch, tmp_path):
+    """The study's argv goes through the pipeline's own parser and ``train``: the lr to both runs, the lambda rule
+    to AMIR-GRPO's command alone (after the recipe's keys, so it wins), composed into its config."""
+    from amir_verl.paper_pipeline import pipeline
+    from tests.support import compose_recipe
+
+    commands = {}
+    monkeypatch.setattr(pipeline, "run_main_ppo_together", lambda runs, timeout: commands.update(runs))
+    for stage in ("prepare_data", "prepare_model", "initial_adapter"):
+        monkeypatch.setattr(pipeline, stage, lambda *args: tmp_path / stage)
+    monkeypatch.setattr(pipeline, "merge", lambda *args: (_ for _ in ()).throw(pipeline.PipelineError("stop here")))
+    argv = study.TASKS["smollm2"].argv(tmp_path / "seed_0", 0, None, [])
+    assert pipeline.main(argv) == 1  # stopped at the merge, after train built both commands
+    grpo, amir = (commands[v].cmd for v in ("grpo", "amir_grpo"))
+    for override in study.SMOLLM2_STUDY_OVERRIDES:
+        assert override in grpo and override in amir
+    for override in study.SMOLLM2_STUDY_AMIR_OVERRIDES:
+        assert override not in grpo and amir[-1] == override
+    overrides = amir[amir.index("amir_grpo") + 1:]
+    monkeypatch.setenv("AMIR_OUTPUT", str(tmp_path))
+    assert compose_recipe("amir_grpo", "/m", overrides).amir.lambda_rule == "grad_share"
+    assert compose_recipe("grpo", "/m", grpo[grpo.index("grpo") + 1:]).get("amir") is None

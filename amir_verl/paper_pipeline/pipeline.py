@@ -1,6 +1,7 @@
 """The paper's pipeline at miniature on a CPU, in one command, on a real pretrained chat model:
 
     python -m amir_verl.paper_pipeline.pipeline [--workdir DIR] [--size default|test|study] [--gspo] [--seed 0]
+                                                [--amir-override KEY=VALUE ...] [-- overrides of every run]
 
 Stages (each a command a user runs on a GPU cluster too, here with the CPU backend):
 
@@ -17,7 +18,8 @@ Stages (each a command a user runs on a GPU cluster too, here with the CPU backe
    with ``--gspo`` also ``paper_gspo``, ``paper_amir_gspo``), side by side, plus only :data:`CPU_OVERRIDES`
    (hardware, the ``hf`` rollout, the logger), the size's batch / length / step counts (:data:`SIZES`) and
    :func:`comparison_overrides` (the initial adapter; the validation before training done once per pair,
-   since both runs of a pair start from the same weights with the same seeds);
+   since both runs of a pair start from the same weights with the same seeds); and what the user adds, to every
+   run (after ``--``) or to the AMIR runs only (``--amir-override``, a stated deviation such as a lambda rule);
 6. **merge**: each run's LoRA checkpoint into a model folder with verl's own ``python -m verl.model_merger``;
 7. **evaluate**: ``amir-eval passk``, ``calibration``, ``lengths --tokenizer``, ``coverage``, ``margin --model``
    and ``perplexity --model`` on the validation dumps and merged models (margin and perplexity share one
@@ -211,9 +213,10 @@ def run_command(variant: str, model: Path, data: Path, outputs: Path, size: Size
 
 
 def train(work: Path, pairs: list[tuple[str, str]], model: Path, adapter: Path, data: Path, size: Size,
-          extra: list[str]) -> dict:
+          extra: list[str], amir_extra: list[str] = ()) -> dict:
     """Each pair's two runs side by side (same model, adapter, seeds and data), one pair after the other: four
-    runs of a 135M model at once would not fit in 24 GB."""
+    runs of a 135M model at once would not fit in 24 GB. ``extra``: overrides of every run; ``amir_extra``: of
+    each pair's AMIR run only (its second)."""
     outputs = work / "outputs"
     variants = [v for pair in pairs for v in pair]
     progress, commands = {}, {}
@@ -223,7 +226,8 @@ def train(work: Path, pairs: list[tuple[str, str]], model: Path, adapter: Path, 
         run_dir.mkdir(parents=True)
         progress[variant] = RunProgress(variant, run_dir, size.steps)
         command = commands[variant] = run_command(variant, model, data, outputs, size,
-                                                  [*comparison_overrides(variant, pair, adapter), *extra],
+                                                  [*comparison_overrides(variant, pair, adapter), *extra,
+                                                   *(amir_extra if variant == pair[1] else [])],
                                                   progress[variant].log_path)
         command.on_line = progress[variant]
         (run_dir / "command.txt").write_text(" ".join(f"{k}={v}" for k, v in command.env.items()
@@ -301,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=list(SIZES), default="default")
     p.add_argument("--gspo", action="store_true", help="also train the GSPO pair (paper_gspo, paper_amir_gspo)")
     p.add_argument("--seed", type=int, default=0, help="generated data and the cold start")
+    p.add_argument("--amir-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="a hydra override of the AMIR runs only (amir_grpo, amir_gspo), after the recipe's keys, "
+                        "e.g. amir.lambda_rule=grad_share; repeatable")
     p.add_argument("overrides", nargs="*", help="extra hydra overrides for every run (after --)")
     args = p.parse_args(argv)
     if not RUN_SH.is_file():
@@ -319,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         data = prepare_data(work, size, args.seed)
         model = prepare_model(work, size, args.seed)
         adapter = initial_adapter(work, model, args.seed)
-        metrics = train(work, pairs, model, adapter, data, size, args.overrides)
+        metrics = train(work, pairs, model, adapter, data, size, args.overrides, args.amir_override)
         merged = merge(work, variants, size)
         outputs = evaluate(work, pairs, merged, model)
     except KeyboardInterrupt:

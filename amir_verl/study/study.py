@@ -10,7 +10,8 @@ For each seed it runs one pair, GRPO and AMIR-GRPO side by side from the same st
   every seed. GRPO is run through the AMIR trainer with lambda 0, so its pairs are measured too.
 - ``smollm2``: the paper pipeline (:mod:`amir_verl.paper_pipeline.pipeline`, ``--size study --seed S``) on
   SmolLM2-135M-Instruct. The seed sets the generated data, the cold start, the initial LoRA adapter (shared
-  by the pair) and the sampling; the study raises the recipe's learning rate (:data:`SMOLLM2_STUDY_OVERRIDES`).
+  by the pair) and the sampling; the study raises the recipe's learning rate (:data:`SMOLLM2_STUDY_OVERRIDES`)
+  and gives the AMIR run the package's lambda rule (:data:`SMOLLM2_STUDY_AMIR_OVERRIDES`).
 
 Each pair writes its figures to ``<workdir>/seed_<S>/summary.json`` (:mod:`amir_verl.run_figures`). The study
 then reports, per figure, AMIR minus GRPO seed by seed and its mean with a 95% paired t interval
@@ -37,11 +38,14 @@ from amir_verl.paper_pipeline import VARIANTS
 from amir_verl.study.statistics import CONFIDENCE, PairedDifference, paired_difference
 
 BASE, AMIR = VARIANTS["grpo"], VARIANTS["amir_grpo"]  # the pair's labels in summary.json (the demo's too)
-# The study's deviation from the paper recipe on SmolLM2: at the recipe's lr 5e-6 a few LoRA steps moved the
-# merged weights by under 1e-6 and changed no sampled response, so there was nothing to compare; LoRA is
-# usually trained at 1e-4 to 2e-4. Measured at seed 0 (README): 2e-4 moves both runs alike and still changed
-# no response, since the recipe's lambda rule keeps the term at its floor; the term's weight is the next knob.
+# The study's deviations from the paper recipe on SmolLM2. Every run: at the recipe's lr 5e-6 a few LoRA steps
+# moved the merged weights by under 1e-6 and changed no sampled response, so there was nothing to compare; LoRA
+# is usually trained at 1e-4 to 2e-4. The AMIR run: at 2e-4 both runs still moved alike and no response changed
+# (seed 0, README), since the recipe's lambda rule (loss_ratio, the official code's) holds the term at its
+# floor, 0.005 (actor/amir_pref_term 0.0035); the package's default rule, grad_share, keeps the term at a share
+# of the gradient instead.
 SMOLLM2_STUDY_OVERRIDES = ("actor_rollout_ref.actor.optim.lr=2e-4",)
+SMOLLM2_STUDY_AMIR_OVERRIDES = ("amir.lambda_rule=grad_share",)
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ TASKS = {
                                                "--", *extra]),
     "smollm2": Task("smollm2", "the paper pipeline on SmolLM2-135M-Instruct (size `study`)", None, _smollm2_main,
                     lambda d, seed, steps, extra: ["--workdir", str(d), "--size", "study", "--seed", str(seed),
+                                                   *(f"--amir-override={o}" for o in SMOLLM2_STUDY_AMIR_OVERRIDES),
                                                    "--", *SMOLLM2_STUDY_OVERRIDES, *extra]),
 }
 STUDY_FILE = "study.json"
