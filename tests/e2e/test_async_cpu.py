@@ -78,28 +78,35 @@ def async_command(assets, workdir: Path, mode: str):
     return probed(command, workdir, REPO)
 
 
-def then_resumed(command, first_steps: int):
+def then_resumed(command, first_steps: int) -> Path:
     """``command`` run for ``first_steps`` steps, then again for all of its steps in the same workdir, which
-    verl resumes from its last checkpoint (``trainer.resume_mode=auto``), as a user restarts a stopped run."""
+    verl resumes from its last checkpoint (``trainer.resume_mode=auto``), as a user restarts a stopped run.
+    Returns where the first launch's metrics go: verl's file logger starts its file afresh at each launch."""
     import shlex
+
+    from amir_verl.cpu.launch import verl_metrics_path
 
     first = [f"trainer.total_training_steps={first_steps}" if arg.startswith("trainer.total_training_steps=")
              else arg for arg in command.cmd]
-    command.cmd = ["sh", "-c", f"{shlex.join(first)} && {shlex.join(command.cmd)}"]
-    return command
+    until_stopped = verl_metrics_path(command.log_path).with_suffix(".until_stopped.jsonl")
+    command.cmd = ["sh", "-c", f"VERL_FILE_LOGGER_PATH={shlex.quote(str(until_stopped))} {shlex.join(first)} && "
+                               f"{shlex.join(command.cmd)}"]
+    return until_stopped
 
 
 @pytest.fixture(scope="module")
 def async_runs(assets, tmp_path_factory):
     """Both runs side by side (colocate_async stopped after step 2 and resumed) -> {mode: (workdir, verl's
-    console metrics by step, the probe's records)}; the records: {(step, local update): (the
-    _compute_advantage record, the actor update's metrics)}."""
+    metrics by step, the probe's records)}; the records: {(step, local update): (the _compute_advantage record,
+    the actor update's metrics)}."""
+    from amir_verl.cpu.launch import read_verl_metrics
     from tests.e2e.support import train_side_by_side
 
     root = tmp_path_factory.mktemp("async")
     commands = {mode: async_command(assets, root / mode, mode) for mode in LAYOUT}
-    then_resumed(commands["colocate_async"], RESUMED_AFTER)
+    until_stopped = then_resumed(commands["colocate_async"], RESUMED_AFTER)
     metrics = train_side_by_side(commands)
+    metrics["colocate_async"] = {**read_verl_metrics(until_stopped), **metrics["colocate_async"]}
     runs = {}
     for mode, (_, local_updates) in LAYOUT.items():
         assert sorted(metrics[mode]) == list(range(1, STEPS + 1)), mode
