@@ -20,6 +20,7 @@ from amir_verl.cpu.launch import (
     read_verl_metrics,
     run_logged,
     run_logged_together,
+    stops_on_sigterm,
     verl_metrics_path,
 )
 from amir_verl.cpu.progress import RunProgress, progress_line, validation_accuracy
@@ -60,9 +61,10 @@ def launcher_to_interrupt(child_code: str, call: str) -> subprocess.Popen:
     """A Python process that runs ``call`` (a launcher call starting ``CHILD = child_code`` processes, whose
     lines it prints after 'child') and prints 'interrupted' from its own KeyboardInterrupt handler."""
     launcher = (f"import sys\nCHILD = {child_code!r}\n"
-                "from amir_verl.cpu.launch import LoggedCommand, run_logged, run_logged_together\n"
+                "from amir_verl.cpu.launch import LoggedCommand, run_logged, run_logged_together, stops_on_sigterm\n"
                 "show = lambda line: print('child', line, end='', flush=True)\n"
-                f"try:\n    {call}\nexcept KeyboardInterrupt:\n    print('interrupted', flush=True)\n")
+                f"@stops_on_sigterm\ndef main():\n    {call}\n"
+                "try:\n    main()\nexcept KeyboardInterrupt:\n    print('interrupted', flush=True)\n")
     return subprocess.Popen([PY, "-c", launcher], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=sigint_as_from_a_terminal)
 
@@ -92,6 +94,33 @@ def test_ctrl_c_stops_every_command_side_by_side():
     out, err = proc.communicate(timeout=30)
     assert out.strip() == "interrupted" and "Traceback" not in err
     assert all(_gone(child) for child in children)
+
+
+def test_sigterm_stops_every_command_as_ctrl_c_does():
+    """A job scheduler's stop (SIGTERM to the launcher alone) reaches the children, each in a session of its own,
+    through the same clean-up as Ctrl-C; a second SIGTERM during it does not cut it short (the children ignore
+    SIGTERM, so the launcher is waiting to SIGKILL them when it lands)."""
+    child_code = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                  "print(os.getpid(), flush=True); time.sleep(120)")
+    proc = launcher_to_interrupt(child_code, "run_logged_together({name: LoggedCommand([sys.executable, '-c', CHILD], "
+                                             "on_line=show) for name in ('a', 'b')})")
+    children = [int(proc.stdout.readline().split()[1]) for _ in range(2)]
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert out.strip() == "interrupted" and "Traceback" not in err and proc.returncode == 0
+    assert all(_gone(child) for child in children)
+
+
+def test_the_programs_that_launch_main_ppo_stop_on_sigterm():
+    from amir_verl.demo import quickstart
+    from amir_verl.paper_pipeline import pipeline
+    from amir_verl.study import study
+
+    for program in (quickstart, pipeline, study):
+        assert program.main.__wrapped__ is not None  # stops_on_sigterm's wrapper
+        assert program.main.__code__ is stops_on_sigterm(lambda: 0).__code__
 
 
 def test_what_the_child_leaves_in_its_group_is_stopped_when_it_exits(tmp_path):

@@ -9,6 +9,7 @@ side by side (:func:`run_main_ppo_together`), each with a Ray of its own.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -125,16 +126,34 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = GRACE_S) -> None
 
 
 @contextlib.contextmanager
-def _sigint_ignored():
-    """Ignore SIGINT (Ctrl-C) inside the block, where this thread may (Python's main thread)."""
+def _signals_handled_as(handler, signals=(signal.SIGINT, signal.SIGTERM)):
+    """``signals`` go to ``handler`` inside the block, where this thread may set them (Python's main thread)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def stops_on_sigterm(main: Callable[..., int]) -> Callable[..., int]:
+    """``main`` with SIGTERM (a job scheduler's stop, ``kill``, ``timeout``) handled as Ctrl-C: a
+    KeyboardInterrupt, whose clean-up in :func:`run_logged_together` stops every main_ppo it started. Those run
+    in sessions of their own, so a signal to the launcher alone would leave them, and their Ray, running."""
+
+    @functools.wraps(main)
+    def stopping(*args, **kwargs):
+        with _signals_handled_as(_interrupt, (signal.SIGTERM,)):
+            return main(*args, **kwargs)
+
+    return stopping
 
 
 @dataclass
@@ -212,8 +231,8 @@ def run_logged_together(commands: dict[str, LoggedCommand], timeout: float | Non
                 running = ", ".join(name for name in children if name not in results)
                 raise TimeoutError(f"{running} ran over {timeout:.0f} s and was stopped")  # stopped below
             time.sleep(POLL_S)
-    except BaseException:  # Ctrl-C above all: a second one must not cut the stopping short
-        with _sigint_ignored():
+    except BaseException:  # Ctrl-C above all: a second one (or a SIGTERM) must not cut the stopping short
+        with _signals_handled_as(signal.SIG_IGN):
             for child in children.values():
                 stop_process_group(child.proc)
         raise

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import psutil
 
-from amir_verl.cpu.launch import MainPPOFailed, main_ppo_command, run_main_ppo_together
+from amir_verl.cpu.launch import MainPPOFailed, main_ppo_command, run_main_ppo_together, stops_on_sigterm
 from amir_verl.cpu.progress import RunProgress
 from amir_verl.cpu.settings import cpu_settings, schedule_overrides
 from amir_verl.demo.report import FIGURE_DEFINITIONS, NO_BRIER, plot_runs, summary_figures, summary_table
@@ -156,6 +156,7 @@ def write_report(workdir: Path, results: dict[str, dict[int, dict[str, float]]],
     return table, plot_runs(results, workdir / "quickstart.png", title)
 
 
+@stops_on_sigterm
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,

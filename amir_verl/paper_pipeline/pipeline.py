@@ -52,6 +52,7 @@ from amir_verl.cpu.launch import (
     run_logged,
     run_logged_together,
     run_main_ppo_together,
+    stops_on_sigterm,
 )
 from amir_verl.cpu.progress import RunProgress
 from amir_verl.cpu.settings import cpu_settings
@@ -299,6 +300,7 @@ def evaluate(work: Path, pairs: list[tuple[str, str]], merged: dict[str, Path], 
     return outputs
 
 
+@stops_on_sigterm
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", type=Path, default=Path("amir_cpu_paper"))

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from amir_verl import run_figures
+from amir_verl.cpu.launch import stops_on_sigterm
 from amir_verl.metrics import format_value
 from amir_verl.paper_pipeline import VARIANTS
 from amir_verl.study.statistics import CONFIDENCE, PairedDifference, paired_difference
@@ -234,6 +235,7 @@ def run_study(task: Task, workdir: Path, seeds: list[int], steps: int | None, ov
     return summaries
 
 
+@stops_on_sigterm
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m amir_verl.study", description=__doc__.splitlines()[0].rstrip(":"))
     p.add_argument("--task", choices=list(TASKS), required=True)
