@@ -1,7 +1,7 @@
 """The quickstart's report: the summary table and the comparison plot (the console lines: :mod:`amir_verl.cpu.progress`).
 
-Everything here is a function of verl's logged metrics, ``{step: {key: value}}`` per run, as
-verl's file logger writes them (:func:`amir_verl.cpu.launch.read_verl_metrics`) (step 0 holds the validation before training).
+Everything here is a function of verl's logged metrics, ``{step: {key: value}}`` per run, as verl's file logger
+writes them (:func:`amir_verl.cpu.launch.read_verl_metrics`); step 0 holds the validation before training.
 """
 
 from __future__ import annotations
