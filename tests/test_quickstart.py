@@ -189,6 +189,12 @@ def test_the_timeout_names_the_commands_still_running_and_stops_them():
     ("Traceback (most recent call last):\n  File x\nValueError: first\n(TaskRunnerV1 pid=12) KeyError: 'last one'\n",
      "KeyError: 'last one'"),
     ("no error line at all\n", "see the log"),
+    # hydra refusing an override: no "...Error:" line (seen: an amir key the recipe's amir block does not hold)
+    ("Could not override 'amir.lambda_init'.\nTo append to your config use +amir.lambda_init=2.0\n"
+     "Key 'lambda_init' is not in struct\n    full_key: amir.lambda_init\n    object_type=dict\n\n"
+     "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n",
+     "hydra: Could not override 'amir.lambda_init'. To append to your config use +amir.lambda_init=2.0 "
+     "Key 'lambda_init' is not in struct"),
     # vLLM 0.27.1's engine core on a head size its CPU attention refuses, then verl's replay buffer's last word
     ("(vLLMHttpServer pid=9) (EngineCore pid=8) ERROR [core.py:1351] RuntimeError: Worker failed with error "
      "'Unsupported CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0', please check the stack trace\n"

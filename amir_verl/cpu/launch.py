@@ -92,6 +92,9 @@ _ERROR_LINE = re.compile(r"^\s*(?:\(\w+ pid=\d+\)\s*)?([\w.]*(?:Error|Exception|
 # names neither the rollout nor the cause
 _VLLM_WORKER_FAILED = re.compile(r"Worker failed with error '(.+?)', please check")
 _VLLM_ENGINE_DEAD = "EngineDeadError"
+# hydra refusing an override prints no "...Error:" line: "Could not override 'amir.x'.", then its advice
+# ("To append to your config use +amir.x=1") and the reason ("Key 'x' is not in struct")
+_HYDRA_OVERRIDE = re.compile(r"^(Could not (?:override|append to config|delete from config)\b.*)\n(.*)\n(.*)$", re.M)
 
 
 def failure_reason(output: str) -> str:
@@ -99,6 +102,9 @@ def failure_reason(output: str) -> str:
     for pattern, explanation in KNOWN_FAILURES:
         if pattern.search(output):
             return explanation
+    hydra = _HYDRA_OVERRIDE.search(output)
+    if hydra:
+        return "hydra: " + " ".join(line.strip() for line in hydra.groups() if line.strip())[:300]
     worker_failed = _VLLM_WORKER_FAILED.search(output)
     if worker_failed or _VLLM_ENGINE_DEAD in output:
         cause = worker_failed.group(1)[:300] if worker_failed else "its error is in the log, above the first EngineDeadError"
