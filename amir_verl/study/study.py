@@ -11,7 +11,7 @@ For each seed it runs one pair, GRPO and AMIR-GRPO side by side from the same st
 - ``smollm2``: the paper pipeline (:mod:`amir_verl.paper_pipeline.pipeline`, ``--size study --seed S``) on
   SmolLM2-135M-Instruct. The seed sets the generated data, the cold start, the initial LoRA adapter (shared
   by the pair) and the sampling; the study raises the recipe's learning rate (:data:`SMOLLM2_STUDY_OVERRIDES`)
-  and gives the AMIR run the package's lambda rule (:data:`SMOLLM2_STUDY_AMIR_OVERRIDES`).
+  and gives the AMIR run a fixed lambda of 2 (:data:`SMOLLM2_STUDY_AMIR_OVERRIDES`).
 
 Each pair writes its figures to ``<workdir>/seed_<S>/summary.json`` (:mod:`amir_verl.run_figures`). The study
 then reports, per figure, AMIR minus GRPO seed by seed and its mean with a 95% paired t interval
@@ -39,14 +39,15 @@ from amir_verl.paper_pipeline import VARIANTS
 from amir_verl.study.statistics import CONFIDENCE, PairedDifference, paired_difference
 
 BASE, AMIR = VARIANTS["grpo"], VARIANTS["amir_grpo"]  # the pair's labels in summary.json (the demo's too)
-# The study's deviations from the paper recipe on SmolLM2. Every run: at the recipe's lr 5e-6 a few LoRA steps
-# moved the merged weights by under 1e-6 and changed no sampled response, so there was nothing to compare; LoRA
-# is usually trained at 1e-4 to 2e-4. The AMIR run: at 2e-4 both runs still moved alike and no response changed
-# (seed 0, README), since the recipe's lambda rule (loss_ratio, the official code's) holds the term at its
-# floor, 0.005 (actor/amir_pref_term 0.0035); the package's default rule, grad_share, keeps the term at a share
-# of the gradient instead.
-SMOLLM2_STUDY_OVERRIDES = ("actor_rollout_ref.actor.optim.lr=2e-4",)
-SMOLLM2_STUDY_AMIR_OVERRIDES = ("amir.lambda_rule=grad_share",)
+# The study's deviations from the paper recipe on SmolLM2, each measured on seed 0 (README, "Does AMIR change
+# anything at miniature?"). Every run gets lr 1e-3: at the recipe's 5e-6 a few LoRA steps moved the merged weights
+# by under 1e-6 and changed no sampled response; at 2e-4 still no response changed. The AMIR run gets a fixed
+# lambda of 2: the recipe's rule (loss_ratio, the official code's) held lambda at its floor, 0.005, and the
+# package's grad_share at 0.5 with the term at 0.1-0.2 of the gradient; with either, at 2e-4, AMIR-GRPO generated
+# GRPO's responses at every step. At lr 1e-3 and lambda 2 the policies part within the 4 steps (step-2 rewards
+# and the validation differ); a smaller setting would measure a difference of zero by construction.
+SMOLLM2_STUDY_OVERRIDES = ("actor_rollout_ref.actor.optim.lr=1e-3",)
+SMOLLM2_STUDY_AMIR_OVERRIDES = ("amir.lambda_rule=fixed", "+amir.lambda_init=2.0")
 
 
 @dataclass(frozen=True)
