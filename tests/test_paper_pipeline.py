@@ -113,13 +113,14 @@ RUN_PAIR = ("grpo", "amir_grpo")
 SMALL = SIZES["test"]
 
 
-def fake_run(work, variant, rollouts: dict[int, list[tuple[str, str]]], adapter="/adapters/init"):
-    """A run's folder as the pipeline leaves it: rollout dumps (prompt, response per row), hydra's record."""
+def fake_run(work, variant, rollouts: dict[int, list[tuple[str, str]]], adapter="/adapters/init", answer="a"):
+    """A run's folder as the pipeline leaves it: rollout dumps (prompt, response per row), the last validation's
+    dump (every response ``answer``), hydra's record."""
     folder = work / "outputs" / f"smollm2-135m_{variant}"
     for step, rows in rollouts.items():
         verl_dump(folder / "rollout", step, [{"input": p, "output": r, "score": 1.0, "uid": f"u{i}"}
                                               for i, (p, r) in enumerate(rows)])
-    validation = [{"input": "q", "output": "a", "score": 1.0, "data_source": source, "problem_id": problem}
+    validation = [{"input": "q", "output": answer, "score": 1.0, "data_source": source, "problem_id": problem}
                   for source, problems in (("openai/gsm8k", 2), ("math-ai/aime25", 1))
                   for problem in range(problems) for _ in range(8)]
     verl_dump(folder / "validation", SMALL.steps, validation)
@@ -199,20 +200,28 @@ def test_the_figures_for_the_study_are_the_files_means(tmp_path):
         run_figures.write_summary(tmp_path, "t", {"GRPO": {run_figures.REWARD: 1.0}}, {})
 
 
-def test_the_verdict_follows_the_last_steps_responses(tmp_path, merged_pair):
+def test_the_verdict_follows_every_response_generated_after_the_first_update(tmp_path, merged_pair):
+    """Training from step 2 on and the last validation: a difference in either is a departure (on SmolLM2 at lr
+    1e-3 the step-2 rollouts and the validation differed while the last step's rollouts were identical)."""
     rows = [("p1", "r1"), ("p2", "r2")]
     metrics = {"grpo": step_metrics([0, 0]), "amir_grpo": step_metrics([3, 1])}
     fake_run(tmp_path / "same", "grpo", {1: rows, 2: rows})
     fake_run(tmp_path / "same", "amir_grpo", {1: rows, 2: rows})
     text = summary(tmp_path / "same", [RUN_PAIR], metrics, {}, SMALL, merged_pair)
     assert "amir/pref_loss minus log 2 per step: +1.00e-03, +2.00e-03." in text
-    assert "within 2 steps it did not change what the policy generates: every step-2 response is GRPO's" in text
+    assert "- Identical responses, AMIR-GRPO against GRPO: step 2: 2 of 2; the step-2 validation: 24 of 24." in text
+    assert ("- The preference term entered AMIR-GRPO's loss, but within 2 steps it did not change what the policy "
+            "generates: every response of training step 2 and of the step-2 validation is GRPO's.") in text
     fake_run(tmp_path / "moved", "grpo", {1: rows, 2: rows})
     fake_run(tmp_path / "moved", "amir_grpo", {1: rows[::-1], 2: [("p1", "r1"), ("p2", "other")]}, adapter="/adapters/b")
     text = summary(tmp_path / "moved", [RUN_PAIR], metrics, {}, SMALL, merged_pair)
-    assert "- AMIR-GRPO's policy departed from GRPO's: 1 of 2 step-2 responses differ." in text
+    assert "- AMIR-GRPO's policy departed from GRPO's: 1 of 2 responses differ at step 2." in text
     assert "loaded different initial adapters (/adapters/b, /adapters/init)" in text
     assert "step-1 rollouts are identical in 2 of 2 responses" in text  # the same samples, dumped in another order
+    fake_run(tmp_path / "validation", "grpo", {1: rows, 2: rows})
+    fake_run(tmp_path / "validation", "amir_grpo", {1: rows, 2: rows}, answer="b")
+    text = summary(tmp_path / "validation", [RUN_PAIR], metrics, {}, SMALL, merged_pair)
+    assert "- AMIR-GRPO's policy departed from GRPO's: 24 of 24 responses differ at the step-2 validation." in text
 
 
 def test_the_evaluation_stage_reports_nothing_to_measure_and_stops_on_a_real_failure(tmp_path, merged_pair):

@@ -83,15 +83,24 @@ def pref_loss_shifts(steps: dict[int, dict[str, float]]) -> list[float | None]:
     return [m[PREF_LOSS] - math.log(2) if m.get(NUM_PAIRS) else None for s, m in sorted(steps.items()) if s > 0 and REWARD in m]
 
 
+def _steps(first: int, last: int) -> str:
+    return f"step {last}" if first == last else f"steps {first}-{last}"
+
+
 def what_the_runs_did(work: Path, base: str, amir: str, metrics: dict, merged: dict[str, Path], size) -> list[str]:
-    """Sentences on how the pair started and what AMIR changed, each figure computed from the runs' files."""
+    """Sentences on how the pair started and what AMIR changed, each figure computed from the runs' files.
+
+    Whether the policy departed is judged on everything the two policies generated after the first update: the
+    training rollouts of steps 2 to the last and the last validation. Step 1 is sampled before any update, from
+    the shared start, so it tells whether the runs started alike, not whether AMIR changed the policy."""
     labels = VARIANTS[base], VARIANTS[amir]
-    rollouts = {v: work / "outputs" / experiment(v) / "rollout" for v in (base, amir)}
-    first = [read_dump(rollouts[v], 1) for v in (base, amir)]
-    last = [read_dump(rollouts[v], size.steps) for v in (base, amir)]
+    folders = {v: work / "outputs" / experiment(v) for v in (base, amir)}
+    rollouts = {step: [read_dump(folders[v] / "rollout", step) for v in (base, amir)] for step in range(1, size.steps + 1)}
+    validation = [read_dump(folders[v] / "validation", size.steps) for v in (base, amir)]
     adapters = {composed_adapter(work, v) for v in (base, amir)}
     start = (f"the same initial adapter ({adapters.pop()})" if len(adapters) == 1 and None not in adapters
              else f"different initial adapters ({', '.join(map(str, sorted(adapters, key=str)))})")
+    first = rollouts[1]
     lines = [f"- Start: {labels[0]} and {labels[1]} loaded {start}; their step-1 rollouts are identical in "
              f"{identical_responses(*first)} of {len(first[1])} responses."]
     trained = [m for s, m in sorted(metrics[amir].items()) if s > 0 and REWARD in m]
@@ -100,18 +109,24 @@ def what_the_runs_did(work: Path, base: str, amir: str, metrics: dict, merged: d
     lines.append(f"- {labels[1]} mined {', '.join(map(str, pairs))} pairs at steps 1-{len(pairs)}; amir/pref_loss "
                  f"minus log 2 per step: {', '.join(format_value(x, '+.2e') for x in shifts)}.")
     difference, tensors = largest_weight_difference(merged[base], merged[amir])
-    same_last = identical_responses(*last)
     lines.append(f"- Merged models: the largest effective weight difference, {labels[1]} against {labels[0]}, is "
-                 f"{difference:.2e} (over {tensors} tensors); at step {size.steps}, {same_last} of {len(last[1])} "
-                 "responses are identical.")
+                 f"{difference:.2e} (over {tensors} tensors).")
+    # (what was generated, identical responses, responses) after the first update
+    later = [(f"step {step}", identical_responses(*dumps), len(dumps[1])) for step, dumps in rollouts.items() if step > 1]
+    later.append((f"the step-{size.steps} validation", identical_responses(*validation), len(validation[1])))
+    lines.append(f"- Identical responses, {labels[1]} against {labels[0]}: "
+                 + "; ".join(f"{where}: {same} of {total}" for where, same, total in later) + ".")
+    departed = [(where, total - same, total) for where, same, total in later if same < total]
     if not any(pairs):
         verdict = f"{labels[1]} mined no pair, so its preference term was zero and it trained as {labels[0]} did."
-    elif same_last == len(last[1]):
+    elif not departed:
+        training = f"training {_steps(2, size.steps)} and of " if size.steps > 1 else ""
         verdict = (f"The preference term entered {labels[1]}'s loss, but within {size.steps} steps it did not change "
-                   f"what the policy generates: every step-{size.steps} response is {labels[0]}'s.")
+                   f"what the policy generates: every response of {training}the step-{size.steps} validation is "
+                   f"{labels[0]}'s.")
     else:
-        verdict = (f"{labels[1]}'s policy departed from {labels[0]}'s: {len(last[1]) - same_last} of {len(last[1])} "
-                   f"step-{size.steps} responses differ.")
+        verdict = (f"{labels[1]}'s policy departed from {labels[0]}'s: "
+                   + "; ".join(f"{differ} of {total} responses differ at {where}" for where, differ, total in departed) + ".")
     return lines + [f"- {verdict}"]
 
 

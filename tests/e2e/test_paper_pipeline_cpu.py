@@ -15,9 +15,9 @@ main_ppo -> verl's model merger -> amir-eval), each artifact checked against a r
 - every amir-eval output exists, and pass@k equals the unbiased estimator counted from the validation dump;
 - like with like: both runs load one initial adapter (B = 0) through verl's lora_adapter_path, one validation
   before training (the GRPO run's), and the same step-1 samples of every group;
-- the summary's "what AMIR-GRPO did" figures (same adapter, identical step-1 and last-step responses, pairs
-  per step, pref_loss minus log 2, the merged models' largest weight difference) and its verdict equal their
-  recomputation from the dumps, metrics and merged weights.
+- the summary's "what AMIR-GRPO did" figures (same adapter, identical step-1 responses, identical responses of
+  every later step and of the last validation, pairs per step, pref_loss minus log 2, the merged models'
+  largest weight difference) and its verdict equal their recomputation from the dumps, metrics and merged weights.
 """
 
 from __future__ import annotations
@@ -274,7 +274,10 @@ def test_the_summary_states_what_the_runs_did_computed_from_their_files(pipeline
     assert summary.strip() in stdout
     amir, last = metrics(work, "amir_grpo"), SIZE.steps
     first = [dump(run_dir(work, variant) / "rollout", 1) for variant in RUNS]
-    final = [dump(run_dir(work, variant) / "rollout", last) for variant in RUNS]
+    # everything the two policies generated after the first update: training from step 2 on, the last validation
+    later = {f"step {step}": [dump(run_dir(work, variant) / "rollout", step) for variant in RUNS]
+             for step in range(2, last + 1)}
+    later[f"the step-{last} validation"] = [dump(run_dir(work, variant) / "validation", last) for variant in RUNS]
     def same(a: list[dict], b: list[dict]) -> int:  # responses of a with an identical one (same prompt) in b, each used once
         rest = [(r["input"], r["output"]) for r in b]
         found = 0
@@ -293,11 +296,13 @@ def test_the_summary_states_what_the_runs_did_computed_from_their_files(pipeline
     grpo_weights, amir_weights = (load_model(str(work / "merged" / variant))[0].state_dict() for variant in RUNS)
     difference = max(float((grpo_weights[k] - amir_weights[k]).abs().max()) for k in grpo_weights)
     assert (f"- Merged models: the largest effective weight difference, AMIR-GRPO against GRPO, is {difference:.2e} "
-            f"(over {len(grpo_weights)} tensors); at step {last}, {same(*final)} of {len(final[1])} responses are "
-            "identical.") in summary
+            f"(over {len(grpo_weights)} tensors).") in summary
+    counts = {where: (same(*dumps), len(dumps[1])) for where, dumps in later.items()}
+    assert ("- Identical responses, AMIR-GRPO against GRPO: "
+            + "; ".join(f"{where}: {n} of {total}" for where, (n, total) in counts.items()) + ".") in summary
     verdicts = ["mined no pair", "did not change what the policy generates", "policy departed from GRPO's"]
     assert sum(v in summary for v in verdicts) == 1
-    expected = (0 if not any(pairs) else 1 if same(*final) == len(final[1]) else 2)
+    expected = (0 if not any(pairs) else 1 if all(n == total for n, total in counts.values()) else 2)
     assert verdicts[expected] in summary
     for label in RUNS.values():
         assert f"| {label} |" in summary and f"- {label}: preference margin" in summary
