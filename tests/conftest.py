@@ -1,9 +1,27 @@
-"""Fixtures shared by test modules."""
+"""Fixtures shared by test modules, and the order the suite runs in."""
 
+import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PAPER_E2E = "tests/e2e/test_paper_pipeline_cpu.py"  # its tests read the one pipeline run started below
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests without the e2e mark first, then the paper pipeline's, then the other end-to-end tests (each
+    group in its file order). The pipeline run those tests read starts as the session starts
+    (:func:`paper_pipeline_run`) and trains beside the tests without the mark, which keep about one of 2 cores
+    busy; it finishes before the toy runs start, whose memory it would share (the pipeline's two SmolLM2 runs
+    hold about 14 GB)."""
+    def group(item) -> int:
+        return 0 if item.get_closest_marker("e2e") is None else 1 if item.nodeid.startswith(PAPER_E2E) else 2
+
+    items.sort(key=group)  # stable: each group keeps its order
 
 
 @pytest.fixture(scope="session")
@@ -16,3 +34,26 @@ def smollm2(tmp_path_factory):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "eos 2" in done.stdout, done.stdout
     return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def paper_pipeline_run(request, tmp_path_factory):
+    """``python -m amir_verl.paper_pipeline.pipeline --size test`` as a user runs it, started before the first
+    test when the session holds the pipeline's tests (None otherwise): (workdir, the running process; its
+    stdout and stderr in the workdir's ``pipeline.out`` / ``pipeline.err``). The workdir holds the model-prep
+    stage's output, made by the same command (:func:`smollm2`): the pipeline reuses a workdir's prepared model,
+    as on a rerun, which saves the suite one conversion. A run still going at the end of the session is
+    stopped with its process group."""
+    if not any(item.nodeid.startswith(PAPER_E2E) for item in request.session.items):
+        yield None
+        return
+    work = tmp_path_factory.mktemp("paper")
+    (work / "models").mkdir()
+    (work / "models" / "smollm2").symlink_to(request.getfixturevalue("smollm2"), target_is_directory=True)
+    with (work / "pipeline.out").open("w") as out, (work / "pipeline.err").open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "amir_verl.paper_pipeline.pipeline", "--workdir", str(work),
+                                 "--size", "test"], stdout=out, stderr=err, cwd=REPO, start_new_session=True)
+    yield work, proc
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)  # the pipeline stops its runs on SIGTERM (stops_on_sigterm)
+        proc.wait(timeout=120)

@@ -25,8 +25,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -49,16 +47,14 @@ BETA, DELTA = 0.2, 0.5  # run.sh's beta for a model it does not name; amir.delta
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, smollm2):
-    work = tmp_path_factory.mktemp("paper")
-    # the model-prep stage's output, made by the same command (tests/conftest.py): the pipeline reuses a
-    # workdir's prepared model, as on a rerun, which saves the suite one conversion
-    (work / "models").mkdir()
-    (work / "models" / "smollm2").symlink_to(smollm2, target_is_directory=True)
-    done = subprocess.run([sys.executable, "-m", "amir_verl.paper_pipeline.pipeline", "--workdir", str(work), "--size", "test"],
-                          capture_output=True, text=True, timeout=2400, cwd=REPO)
-    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
-    return work, done.stdout
+def pipeline(paper_pipeline_run):
+    """The pipeline run started as the session started (tests/conftest.py), once it has finished:
+    (workdir, its stdout)."""
+    work, proc = paper_pipeline_run
+    returncode = proc.wait(timeout=2400)
+    stdout, stderr = ((work / name).read_text() for name in ("pipeline.out", "pipeline.err"))
+    assert returncode == 0, stdout[-5000:] + stderr[-5000:]
+    return work, stdout
 
 
 def run_dir(work: Path, variant: str) -> Path:
