@@ -25,27 +25,12 @@ import torch
 
 from amir_verl.metrics import NUM_PAIRS, PREF_LOSS, ROLLOUT_PROBS_DIFF_MAX
 from amir_verl.step_batch import FIELD_REF_SEQ_LOGP
-from tests.e2e.support import BETA, DELTA, pairs_by_definition, pref_objective, response_log_probs, seq_mean
+from tests.e2e.support import (BETA, DELTA, base_model, check_lora_run_with_reference, pairs_by_definition,
+                               pref_objective, recipe_lora_overrides, seq_mean)
 from tests.support import REPO
 
 
 # ---- the runs -----------------------------------------------------------------------------------------
-
-def recipe_lora_overrides() -> list[str]:
-    """The LoRA, reference and KL settings of ``recipes/config/paper_common.yaml``, as overrides."""
-    from omegaconf import OmegaConf
-
-    recipe = OmegaConf.load(REPO / "recipes" / "config" / "paper_common.yaml").actor_rollout_ref
-    return [
-        f"actor_rollout_ref.model.lora_rank={recipe.model.lora_rank}",
-        f"actor_rollout_ref.model.lora_alpha={recipe.model.lora_alpha}",
-        f"actor_rollout_ref.actor.use_kl_loss={recipe.actor.use_kl_loss}",
-        f"actor_rollout_ref.actor.kl_loss_coef={recipe.actor.kl_loss_coef}",
-        f"actor_rollout_ref.actor.kl_loss_type={recipe.actor.kl_loss_type}",
-        f"actor_rollout_ref.rollout.load_format={recipe.rollout.load_format}",
-        f"actor_rollout_ref.rollout.layered_summon={recipe.rollout.layered_summon}",
-    ]
-
 
 def lora_command(assets, workdir: Path, steps: int, amir: list[str]):
     """main_ppo on the toy task with the overrides ``amir`` (AMIR and LoRA; later overrides win, so the
@@ -55,78 +40,6 @@ def lora_command(assets, workdir: Path, steps: int, amir: list[str]):
     from tests.e2e.support import train_command
 
     return probed(train_command(assets, workdir, steps, amir, save_freq=1), workdir, REPO)
-
-
-# ---- independent recomputation ------------------------------------------------------------------------
-
-def base_model(assets):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32).eval()
-
-
-def load_checkpoint(assets, workdir: Path, step: int):
-    """verl's actor checkpoint ``global_step_<step>`` (world size 1) -> (PeftModel, its state dict).
-
-    The adapter config is rebuilt from the checkpoint's ``lora_train_meta.json`` and verl's default target
-    modules; ``load_state_dict(strict=True)`` then needs every saved tensor to have its place."""
-    import json
-
-    from peft import LoraConfig, get_peft_model
-
-    folder = workdir / "checkpoints" / f"global_step_{step}" / "actor"
-    meta = json.loads((folder / "lora_train_meta.json").read_text())
-    state = {name: tensor.to_local() if hasattr(tensor, "to_local") else tensor
-             for name, tensor in torch.load(folder / "model_world_size_1_rank_0.pt", weights_only=False).items()}
-    model = get_peft_model(base_model(assets), LoraConfig(r=meta["r"], lora_alpha=meta["lora_alpha"],
-                                                          target_modules="all-linear", task_type="CAUSAL_LM"))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {name for name in missing if name.endswith("lm_head.weight")} if model.config.tie_word_embeddings else set()
-    assert set(missing) == tied and not unexpected, (missing, unexpected)
-    return model.eval(), state
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(((a - b).abs() / b.abs().clamp(min=1e-12)).max())
-
-
-def check_lora_run_with_reference(assets, workdir: Path, metrics: dict, records: dict) -> float:
-    """Every check of a 3-step ``amir.reference=ref`` LoRA run; returns the largest relative l_ref error."""
-    base = base_model(assets)
-    base_state = base.state_dict()
-    models = {0: base}  # the adapter starts with lora_B = 0: the step-1 policy is the base model
-    states = {}
-    for step in sorted(records):
-        models[step], states[step] = load_checkpoint(assets, workdir, step)
-    worst = 0.0
-    for step, record in sorted(records.items()):
-        # l_ref AMIR used == the base model without adapter, recomputed here
-        l_ref = seq_mean(response_log_probs(base, record), record)
-        used = torch.tensor(record[FIELD_REF_SEQ_LOGP])
-        worst = max(worst, relative_error(used, l_ref))
-        torch.testing.assert_close(used, l_ref, rtol=1e-5, atol=0.0)
-        # the policy at the step's start: the previous step's checkpoint reproduces verl's old log-probs
-        l_theta_tokens = response_log_probs(models[step - 1], record)
-        for mine, verls in zip(l_theta_tokens, record["old_log_probs"]):
-            torch.testing.assert_close(mine, torch.tensor(verls), rtol=1e-5, atol=1e-6)
-        l_theta = seq_mean(l_theta_tokens, record)
-        if step > 1:  # the adapter has moved the policy away from the reference
-            assert float((l_theta - l_ref).abs().max()) > 1e-4, step
-        pairs = pairs_by_definition(record)
-        assert metrics[step][NUM_PAIRS] == len(pairs) > 0
-        assert metrics[step][PREF_LOSS] == pytest.approx(-float(pref_objective(l_theta, l_ref, pairs)), rel=1e-5)
-    # the rollout served the trained adapter: its log-probs are the actor's after every update
-    assert all(metrics[step][ROLLOUT_PROBS_DIFF_MAX] < 1e-5 for step in records)
-    # only adapter weights change: every base tensor is bit-identical after each step
-    for step, state in states.items():
-        for name, tensor in state.items():
-            if "lora_" not in name:
-                key = name.removeprefix("base_model.model.").replace(".base_layer", "")
-                assert torch.equal(tensor, base_state[key]), (step, name)
-    last, before = max(states), max(states) - 1
-    moved = [name for name in states[last] if "lora_B" in name and not torch.equal(states[last][name], states[before][name])]
-    assert moved, "no adapter weight changed in the last step"
-    return worst
 
 
 @pytest.fixture(scope="module")
