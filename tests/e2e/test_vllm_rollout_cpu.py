@@ -88,11 +88,16 @@ def vllm_runs(tmp_path_factory):
     return assets, results
 
 
+def largest_difference(vllms: list[list[float]], recomputed: list[torch.Tensor]) -> float:
+    """max |log p_vllm - log p_recomputed| over every response token."""
+    return max(float((mine - torch.tensor(theirs)).abs().max()) for mine, theirs in zip(recomputed, vllms))
+
+
 def assert_log_probs_match(vllms: list[list[float]], recomputed: list[torch.Tensor]) -> float:
     """vLLM's per-token log-probs against the recomputed ones, sample by sample; returns the largest difference."""
     for mine, theirs in zip(recomputed, vllms):
         torch.testing.assert_close(torch.tensor(theirs), mine, rtol=LOG_PROB_RTOL, atol=LOG_PROB_ATOL)
-    return max(float((mine - torch.tensor(theirs)).abs().max()) for mine, theirs in zip(recomputed, vllms))
+    return largest_difference(vllms, recomputed)
 
 
 def test_vllm_log_probs_are_the_policys_after_every_weight_sync(vllm_runs):
@@ -120,8 +125,7 @@ def test_vllm_serves_the_trained_lora_adapter_after_every_sync(vllm_runs):
     for step, record in records.items():
         policy = base if step == 1 else load_checkpoint(assets, workdir, step - 1)[0]
         worst = assert_log_probs_match(record["rollout_log_probs"], response_log_probs(policy, record))
-        from_base = max(float((mine - torch.tensor(theirs)).abs().max())
-                        for mine, theirs in zip(response_log_probs(base, record), record["rollout_log_probs"]))
+        from_base = largest_difference(record["rollout_log_probs"], response_log_probs(base, record))
         print(f"step {step}: max |log p_vllm - log p_base+adapter| {worst:.3g}, - log p_base {from_base:.3g}")
         if step > 1:
             assert from_base > 100 * max(worst, LOG_PROB_ATOL), (step, from_base, worst)
