@@ -38,6 +38,8 @@ setup(
     },
     entry_points={
         "verl.plugins": ["amir = amir_verl.verl_plugin"],
+        # vLLM calls it in each of its processes; it acts on the CPU backend only (amir_verl/cpu/vllm_engine.py)
+        "vllm.general_plugins": ["amir_verl_cpu = amir_verl.cpu.vllm_engine:register_in_vllm"],
         "console_scripts": ["amir-eval = amir_verl.evaluation.cli:main"],
     },
 )

