@@ -160,19 +160,24 @@ asyncio.run(main(sys.argv[1]))
 """
 
 
-def test_the_hold_keeps_the_first_requests_at_their_token_until_the_engines_first_abort(tmp_path):
+@pytest.mark.parametrize("cpu", [True, False], ids=["switch-on", "switch-off"])
+def test_the_hold_keeps_the_first_requests_at_their_token_until_the_engines_first_abort(tmp_path, cpu):
     """HOLD_ENV in vLLM's scheduler (what the vLLM async e2e run relies on): of 3 requests, the first 2 stop at
     their 3rd token and wait through 2 s in which the third finishes; vLLM's abort answers them with those 3 tokens
-    and their log-probs, and a request after the abort is not held."""
+    and their log-probs, and a request after the abort is not held. Without the CPU switch (a GPU user's vLLM)
+    the plugin does nothing, even with HOLD_ENV set."""
     from amir_verl.cpu.holds import HOLD_ENV
     from amir_verl.cpu.settings import vllm_rollout_env
     from amir_verl.demo.toy_task import make_assets
 
     model = make_assets(tmp_path, n_train=8, n_test=8, hidden=128)["model"]
-    env = {**os.environ, "AMIR_VERL_CPU": "1", HOLD_ENV: "2@3", **vllm_rollout_env()}
+    env = {k: v for k, v in os.environ.items() if k not in ("AMIR_VERL_CPU", "VERL_PLATFORM", "VERL_ENGINE_DEVICE")}
+    env.update({HOLD_ENV: "2@3", **vllm_rollout_env(), **({"AMIR_VERL_CPU": "1"} if cpu else {})})
     out = subprocess.run([sys.executable, "-c", HOLD_PROBE, str(model)], capture_output=True, text=True, env=env,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert [line for line in out.stdout.splitlines() if line.startswith("held:")] == [
-        "held: [True, True, False] [(3, 3, 'abort'), (3, 3, 'abort'), (8, 8, 'length')] (8, 8, 'length')"]
-    assert (out.stdout + out.stderr).count("held at token 3 until the next abort") == 2
+    expected = ("held: [True, True, False] [(3, 3, 'abort'), (3, 3, 'abort'), (8, 8, 'length')] (8, 8, 'length')"
+                if cpu else
+                "held: [False, False, False] [(8, 8, 'length'), (8, 8, 'length'), (8, 8, 'length')] (8, 8, 'length')")
+    assert [line for line in out.stdout.splitlines() if line.startswith("held:")] == [expected]
+    assert (out.stdout + out.stderr).count("held at token 3 until the next abort") == (2 if cpu else 0)
