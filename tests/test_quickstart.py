@@ -182,6 +182,29 @@ def test_the_timeout_names_the_commands_still_running_and_stops_them():
     assert _gone(int(pids[0]))
 
 
+def test_a_run_that_goes_on_after_its_vllm_engine_died_is_stopped_as_a_failure(monkeypatch):
+    """verl 0.9.1 does not stop when its vLLM engine core dies mid-run (seen: the engine core killed at step 1,
+    then no output and no exit). The child prints what vLLM's front end then logs and keeps running: the launcher
+    stops its group FATAL_GRACE_S later and reports the rollout as the reason."""
+    import amir_verl.cpu.launch as launch
+
+    monkeypatch.setattr(launch, "FATAL_GRACE_S", 1.0)
+    code = ("import os, time; print(os.getpid(), flush=True); "
+            "print('(vLLMHttpServer pid=9) WARNING [core_client.py:725] [shutdown] MPClient: engine core exited "
+            "unexpectedly; starting cleanup', flush=True); "
+            "print('(vLLMHttpServer pid=9) ERROR vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered "
+            "an issue.', flush=True); time.sleep(120)")
+    pids = []
+    start = time.monotonic()
+    with pytest.raises(MainPPOFailed) as failed:
+        launch.run_main_ppo_together({"hung": LoggedCommand([PY, "-c", code], on_line=pids.append)}, timeout=60)
+    assert time.monotonic() - start < 1.0 + 2 * launch.GRACE_S + 5
+    assert failed.value.returncode < 0 and failed.value.reason == (
+        "verl's vllm rollout: the vLLM engine failed: its engine core process exited unexpectedly (killed? out of "
+        "memory?)")
+    assert _gone(int(pids[0]))
+
+
 @pytest.mark.parametrize("output,expected", [
     ("...\nOSError: [Errno 98] Address already in use\n", "port"),
     ("ConnectionError: Could not find any running Ray instance. Please specify", "RAY_ADDRESS"),

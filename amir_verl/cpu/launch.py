@@ -92,6 +92,12 @@ _ERROR_LINE = re.compile(r"^\s*(?:\(\w+ pid=\d+\)\s*)?([\w.]*(?:Error|Exception|
 # names neither the rollout nor the cause
 _VLLM_WORKER_FAILED = re.compile(r"Worker failed with error '(.+?)', please check")
 _VLLM_ENGINE_DEAD = "EngineDeadError"
+_VLLM_ENGINE_EXITED = "engine core exited unexpectedly"  # vLLM's front end, when the engine core process is gone
+# Output after which verl 0.9.1 never stops by itself: its vLLM engine is dead (EngineDeadError in every request;
+# seen: the engine core killed mid-run, and main_ppo then waited for rollouts with no further output). A child
+# that prints it and is still running FATAL_GRACE_S later is stopped by the launcher, as a failure.
+FATAL_OUTPUT = re.compile(f"{_VLLM_ENGINE_DEAD}|{_VLLM_ENGINE_EXITED}")
+FATAL_GRACE_S = 10.0  # time to stop on its own (an engine that fails at start: main_ppo's output ended 3 s after)
 # hydra refusing an override prints no "...Error:" line: "Could not override 'amir.x'.", then its advice
 # ("To append to your config use +amir.x=1") and the reason ("Key 'x' is not in struct")
 _HYDRA_OVERRIDE = re.compile(r"^(Could not (?:override|append to config|delete from config)\b.*)\n(.*)\n(.*)$", re.M)
@@ -106,8 +112,10 @@ def failure_reason(output: str) -> str:
     if hydra:
         return "hydra: " + " ".join(line.strip() for line in hydra.groups() if line.strip())[:300]
     worker_failed = _VLLM_WORKER_FAILED.search(output)
-    if worker_failed or _VLLM_ENGINE_DEAD in output:
-        cause = worker_failed.group(1)[:300] if worker_failed else "its error is in the log, above the first EngineDeadError"
+    if worker_failed or _VLLM_ENGINE_DEAD in output or _VLLM_ENGINE_EXITED in output:
+        cause = (worker_failed.group(1)[:300] if worker_failed else
+                 "its engine core process exited unexpectedly (killed? out of memory?)" if _VLLM_ENGINE_EXITED in output
+                 else "its error is in the log, above the first EngineDeadError")
         return f"verl's vllm rollout: the vLLM engine failed: {cause}"
     errors = [m.group(1).strip() for m in map(_ERROR_LINE.match, output.splitlines()) if m]
     return errors[-1][:300] if errors else "no error message (see the log)"
@@ -174,10 +182,12 @@ class LoggedCommand:
 
 
 class _Child:
-    """A started :class:`LoggedCommand`: the process and the thread that reads its output."""
+    """A started :class:`LoggedCommand`: the process and the thread that reads its output (which notes when the
+    child first printed :data:`FATAL_OUTPUT`)."""
 
     def __init__(self, command: LoggedCommand):
         self.command, self.lines = command, []
+        self.fatal_at: float | None = None
         log = open(command.log_path, "w", buffering=1) if command.log_path is not None else None
         self.proc = subprocess.Popen(command.cmd, env=command.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
@@ -186,6 +196,8 @@ class _Child:
             try:
                 for line in self.proc.stdout:
                     self.lines.append(line)
+                    if self.fatal_at is None and FATAL_OUTPUT.search(line):
+                        self.fatal_at = time.monotonic()
                     if log is not None:
                         log.write(line)
                     if command.on_line is not None:
@@ -196,6 +208,11 @@ class _Child:
 
         self.reader = threading.Thread(target=pump, name="child-output", daemon=True)
         self.reader.start()
+
+    def ended(self) -> bool:
+        """Exited, or still running FATAL_GRACE_S after printing FATAL_OUTPUT (then :meth:`finish` stops it)."""
+        return self.proc.poll() is not None or (
+            self.fatal_at is not None and time.monotonic() - self.fatal_at > FATAL_GRACE_S)
 
     def finish(self) -> tuple[int, str]:
         """Stop what the exited process left in its group (Ray processes would hold the output pipe open),
@@ -215,7 +232,8 @@ def run_logged_together(commands: dict[str, LoggedCommand], timeout: float | Non
     in the order they ended, once all have.
 
     A command that exits with an error stops the others at once (their status is then the stopping
-    signal's, negative). ``timeout`` (seconds, wall clock, for all of them) holds whether or not they print
+    signal's, negative). So does one still running :data:`FATAL_GRACE_S` after printing :data:`FATAL_OUTPUT`,
+    which is stopped first (its status: the stopping signal's). ``timeout`` (seconds, wall clock, for all of them) holds whether or not they print
     anything: on it, ``TimeoutError`` naming the commands still running. On the timeout, on
     ``KeyboardInterrupt`` and on any other exception every process group is stopped before the exception
     propagates."""
@@ -227,7 +245,7 @@ def run_logged_together(commands: dict[str, LoggedCommand], timeout: float | Non
             children[name] = _Child(command)
         while len(results) < len(children):
             for name, child in children.items():
-                if name not in results and child.proc.poll() is not None:
+                if name not in results and child.ended():
                     results[name] = child.finish()
                     if results[name][0] != 0:
                         for other, rest in children.items():

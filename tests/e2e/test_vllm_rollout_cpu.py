@@ -24,8 +24,9 @@ from dummy weights; steps 2 and 3: after an update).
   trajectory, verl's old log-probs, pairs, pref_loss and the actor's gradient, as in the ``hf`` async test
   (:func:`tests.e2e.support.check_update`).
 
-And a fault: an engine that cannot run the model (head size 16, the default toy model's) stops ``main_ppo``
-with a reason naming the rollout and vLLM's error, within a bounded time.
+And two faults, each stopping ``main_ppo`` within a bounded time with a reason naming the rollout: an engine that
+cannot run the model (head size 16, the default toy model's), and the engine core process killed mid-run (verl
+0.9.1 would wait for rollouts for ever; the launcher stops it, :data:`amir_verl.cpu.launch.FATAL_OUTPUT`).
 
 Not verl's rollout dump (``trainer.rollout_data_dir``): it keeps decoded text without special tokens, and the
 toy model samples them (seen: a response ending in ``<pad>``); re-tokenised, 4 of step 1's 64 responses were
@@ -196,3 +197,40 @@ def test_an_engine_that_cannot_run_the_model_stops_main_ppo_naming_the_rollout(t
         run_main_ppo_together({"head_size_16": command}, timeout=ENGINE_FAILURE_TIMEOUT_S)
     print("reason:", failed.value.reason)
     assert failed.value.reason.startswith("verl's vllm rollout: the vLLM engine failed: Unsupported CPU attention")
+
+
+def test_an_engine_killed_mid_run_stops_main_ppo_naming_the_rollout(tmp_path):
+    """SIGKILL to vLLM's engine core process once step 1 is logged: the run ends, non-zero, within
+    FATAL_GRACE_S and the launcher's stopping time, and the reason says the engine core exited."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    from amir_verl.cpu.launch import FATAL_GRACE_S, GRACE_S
+    from amir_verl.demo.toy_task import make_assets
+
+    assets = make_assets(tmp_path / "toy", n_train=64, n_test=8, hidden=VLLM_HIDDEN)
+    command = train_command(assets, tmp_path / "run", 8, amir_overrides("amir_grpo", reference="ref_free")
+                            + vllm_rollout_settings())
+    command.env.update(vllm_rollout_env())
+    killed = []
+
+    def kill_the_engine_at_step_1(line: str) -> None:
+        if not killed and "step:1 - " in line:  # verl's console metrics of step 1
+            engines = [p for p in psutil.Process(os.getpid()).children(recursive=True)
+                       if p.name() == "VLLM::EngineCore"]
+            for engine in engines:
+                engine.send_signal(signal.SIGKILL)
+            killed.append((time.monotonic(), len(engines)))
+
+    command.on_line = kill_the_engine_at_step_1
+    with pytest.raises(MainPPOFailed) as failed:
+        run_main_ppo_together({"killed": command}, timeout=ENGINE_FAILURE_TIMEOUT_S)
+    took = time.monotonic() - killed[0][0]
+    print(f"engine killed ({killed[0][1]} process); main_ppo stopped {took:.1f} s later: {failed.value.reason}")
+    assert killed[0][1] == 1 and failed.value.returncode != 0
+    assert took < FATAL_GRACE_S + 2 * GRACE_S + 30
+    assert failed.value.reason == ("verl's vllm rollout: the vLLM engine failed: its engine core process exited "
+                                   "unexpectedly (killed? out of memory?)")
