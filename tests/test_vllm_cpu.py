@@ -181,3 +181,23 @@ def test_the_hold_keeps_the_first_requests_at_their_token_until_the_engines_firs
                 "held: [False, False, False] [(8, 8, 'length'), (8, 8, 'length'), (8, 8, 'length')] (8, 8, 'length')")
     assert [line for line in out.stdout.splitlines() if line.startswith("held:")] == [expected]
     assert (out.stdout + out.stderr).count("held at token 3 until the next abort") == (2 if cpu else 0)
+
+
+SOCKET_PROBE = (
+    "import hashlib, inspect, verl\n"
+    "from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer\n"
+    "from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter\n"
+    "from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension\n"
+    "def fingerprint(obj):\n"
+    "    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]\n"
+    "print(vLLMHttpServer.__init__._amir_cpu, ServerAdapter.__init__._amir_cpu,\n"
+    "      fingerprint(inspect.unwrap(vLLMHttpServer.__init__)), fingerprint(inspect.unwrap(ServerAdapter.__init__)),\n"
+    "      fingerprint(vLLMColocateWorkerExtension._get_zmq_handle))\n"
+)
+
+
+def test_patch_7_names_the_weight_transfer_socket_after_the_ray_node_on_both_sides():
+    """Patch 7's upstream functions, unchanged since it was written (the sender's ``zmq_handle`` and the receiver's
+    ``VERL_RAY_JOB_ID`` from the Ray job id; the worker's socket from that variable), and both patched under the
+    switch. The e2e module's two runs side by side are what it is for (without it one sync hung)."""
+    assert run_python(SOCKET_PROBE, cpu=True) == "True True e2513f96827ff4c3 b0daa53f7524e408 b823b8e182a4ba01"
