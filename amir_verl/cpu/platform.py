@@ -325,42 +325,43 @@ def _ray_cluster_job_tag() -> str:
     return f"{context.get_job_id()}-{context.get_node_id()[:16]}"
 
 
-def _patch_vllm_server_socket_tag(server_module) -> None:
-    """``vLLMHttpServer.__init__`` (patch 7, receiving side): the ``VERL_RAY_JOB_ID`` it exports to vLLM's worker
-    process, which names the weight-transfer socket (``vLLMColocateWorkerExtension._get_zmq_handle``), becomes
-    :func:`_ray_cluster_job_tag`. The worker process starts later (``launch_server``) and inherits it."""
-    server_cls = server_module.vLLMHttpServer
-    upstream = server_cls.__init__
+def _after_init(cls, after) -> None:
+    """``cls.__init__`` runs ``after(self)`` once upstream's has finished (once, however often it is applied)."""
+    upstream = cls.__init__
     if getattr(upstream, "_amir_cpu", False):
         return
 
     @functools.wraps(upstream)
     def __init__(self, *args, **kwargs):
         upstream(self, *args, **kwargs)
-        os.environ["VERL_RAY_JOB_ID"] = _ray_cluster_job_tag()
+        after(self)
 
     __init__._amir_cpu = True
-    server_cls.__init__ = __init__
+    cls.__init__ = __init__
+
+
+def _export_socket_tag(server) -> None:
+    os.environ["VERL_RAY_JOB_ID"] = _ray_cluster_job_tag()
+
+
+def _retag_socket(adapter) -> None:
+    import ray
+
+    job_id = ray.get_runtime_context().get_job_id()
+    adapter.zmq_handle = adapter.zmq_handle.replace(f"-zmq-{job_id}-", f"-zmq-{_ray_cluster_job_tag()}-")
+
+
+def _patch_vllm_server_socket_tag(server_module) -> None:
+    """``vLLMHttpServer.__init__`` (patch 7, receiving side): the ``VERL_RAY_JOB_ID`` it exports to vLLM's worker
+    process, which names the weight-transfer socket (``vLLMColocateWorkerExtension._get_zmq_handle``), becomes
+    :func:`_ray_cluster_job_tag`. The worker process starts later (``launch_server``) and inherits it."""
+    _after_init(server_module.vLLMHttpServer, _export_socket_tag)
 
 
 def _patch_vllm_adapter_socket_tag(rollout_module) -> None:
     """``ServerAdapter.__init__`` (patch 7, sending side): the socket it names from the Ray job id alone carries
     :func:`_ray_cluster_job_tag` instead, as the receiving side's does."""
-    adapter_cls = rollout_module.ServerAdapter
-    upstream = adapter_cls.__init__
-    if getattr(upstream, "_amir_cpu", False):
-        return
-
-    @functools.wraps(upstream)
-    def __init__(self, *args, **kwargs):
-        upstream(self, *args, **kwargs)
-        import ray
-
-        job_id = ray.get_runtime_context().get_job_id()
-        self.zmq_handle = self.zmq_handle.replace(f"-zmq-{job_id}-", f"-zmq-{_ray_cluster_job_tag()}-")
-
-    __init__._amir_cpu = True
-    adapter_cls.__init__ = __init__
+    _after_init(rollout_module.ServerAdapter, _retag_socket)
 
 
 # verl module -> what is done to it once it has been imported (at once if it already has been). Importing

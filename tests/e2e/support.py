@@ -293,3 +293,30 @@ def check_update(record: dict, actor: dict, policies: dict, step: int, prompts: 
     print(f"step {step}: pairs {len(pairs)}, lambda {lambda_reg:.4f}, grad_norm {float(grad_norm):.6f} "
           f"(verl {actor['actor/grad_norm']:.6f})")
     return spliced, stale
+
+
+def check_async_run(assets, workdir: Path, console: dict, records: dict, mode: str, steps: int) -> str:
+    """Every check of an async run (:func:`async_command`): :func:`check_update` on each local update, responses
+    held, spliced and stale, verl's console ``amir/*`` values the mean over a step's local updates, and the
+    lambda controller counting every update. Returns the run's log."""
+    import json
+
+    prompts, local_updates = LAYOUT[mode]
+    policies = {step: load_policy(assets, workdir, step) for step in range(steps)}
+    spliced = stale = 0
+    for (step, j), (record, actor) in sorted(records.items()):
+        # local updates j >= 1 of separate_async start from the weights after update j - 1: no checkpoint holds them
+        counts = check_update(record, actor, policies, step, prompts, exact_gradient=j == 0)
+        spliced, stale = spliced + counts[0], stale + counts[1]
+    log = (workdir / "main_ppo.log").read_text()
+    held = log.count("held at token")
+    print(f"{mode}: held responses {held}, spliced trajectories {spliced}, stale ones {stale}")
+    assert held > 0 and spliced > 0 and stale > 0
+    for step in range(1, steps + 1):
+        calls = [records[step, j][0] for j in range(local_updates)]
+        for key in (NUM_PAIRS, PREF_LOSS, LAMBDA):  # verl's MetricsAggregator: the mean over the local updates
+            expected = sum(call["metrics"][key] for call in calls) / local_updates
+            assert console[step][key] == pytest.approx(expected, rel=1e-6), (step, key)
+        state = json.loads((workdir / "checkpoints" / f"global_step_{step}" / "amir_state.json").read_text())
+        assert state["lambda_controller"]["num_updates"] == local_updates * step
+    return log

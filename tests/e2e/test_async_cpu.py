@@ -45,10 +45,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from amir_verl.metrics import LAMBDA, NUM_PAIRS, PREF_LOSS
-from tests.e2e.support import LAYOUT, WARMUP_BATCHES, async_command, check_update, load_async_records, load_policy
+from tests.e2e.support import LAYOUT, WARMUP_BATCHES, async_command, check_async_run, load_async_records
 
 STEPS = 3
 RESUMED_AFTER = 2  # the colocate_async run stops after this step and is started again
@@ -94,26 +92,7 @@ def async_runs(assets, tmp_path_factory):
 @pytest.mark.e2e
 @pytest.mark.parametrize("mode", list(LAYOUT))
 def test_amir_matches_brute_force_on_recorded_batches_that_crossed_weight_syncs(assets, async_runs, mode):
-    import json
-
-    workdir, console, records = async_runs[mode]
-    prompts, local_updates = LAYOUT[mode]
-    policies = {step: load_policy(assets, workdir, step) for step in range(STEPS)}
-    spliced = stale = 0
-    for (step, j), (record, actor) in sorted(records.items()):
-        # local updates j >= 1 of separate_async start from the weights after update j - 1: no checkpoint holds them
-        counts = check_update(record, actor, policies, step, prompts, exact_gradient=j == 0)
-        spliced, stale = spliced + counts[0], stale + counts[1]
-    held = (workdir / "main_ppo.log").read_text().count("held at token")
-    print(f"{mode}: held responses {held}, spliced trajectories {spliced}, stale ones {stale}")
-    assert held > 0 and spliced > 0 and stale > 0
-    for step in range(1, STEPS + 1):
-        calls = [records[step, j][0] for j in range(local_updates)]
-        for key in (NUM_PAIRS, PREF_LOSS, LAMBDA):  # verl's MetricsAggregator: the mean
-            expected = sum(call["metrics"][key] for call in calls) / local_updates
-            assert console[step][key] == pytest.approx(expected, rel=1e-6), (step, key)
-        state = json.loads((workdir / "checkpoints" / f"global_step_{step}" / "amir_state.json").read_text())
-        assert state["lambda_controller"]["num_updates"] == local_updates * step
+    check_async_run(assets, *async_runs[mode], mode, STEPS)
 
 
 @pytest.mark.e2e

@@ -25,7 +25,7 @@ starts from dummy weights; steps 2 and 3: after an update).
   streams them to the engine's worker). On the recorded batches: spliced and stale trajectories, each token's vLLM
   log-prob that of a weight version of its trajectory (so each version's weights reached the engine exactly),
   verl's old log-probs, pairs, pref_loss and the actor's gradient, as in the ``hf`` async test
-  (:func:`tests.e2e.support.check_update`).
+  (:func:`tests.e2e.support.check_async_run`).
 
 And two faults, each stopping ``main_ppo`` within a bounded time with a reason naming the rollout: an engine that
 cannot run the model (head size 16, the default toy model's), and the engine core process killed mid-run (verl
@@ -38,8 +38,6 @@ other tokens.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 pytest.importorskip("vllm")
@@ -48,12 +46,12 @@ import torch  # noqa: E402
 
 from amir_verl.cpu.launch import MainPPOFailed, run_main_ppo_together  # noqa: E402
 from amir_verl.cpu.settings import vllm_rollout_env, vllm_rollout_settings  # noqa: E402
-from amir_verl.metrics import LAMBDA, NUM_PAIRS, PREF_LOSS, ROLLOUT_PROBS_DIFF_MAX  # noqa: E402
+from amir_verl.metrics import NUM_PAIRS, PREF_LOSS, ROLLOUT_PROBS_DIFF_MAX  # noqa: E402
 from amir_verl.run_config import amir_overrides  # noqa: E402
 from tests.e2e.probe import probed  # noqa: E402
 from tests.e2e.support import (  # noqa: E402
     BETA, DELTA, GSPO_FLAGS, LAYOUT, WARMUP_BATCHES, async_command, base_model, check_lora_run_with_reference,
-    check_update, load_async_records, load_checkpoint, load_policy, pairs_by_definition, pref_objective,
+    check_async_run, load_async_records, load_checkpoint, load_policy, pairs_by_definition, pref_objective,
     recipe_lora_overrides, response_log_probs, seq_mean, train_command, train_side_by_side)
 from tests.support import REPO  # noqa: E402
 
@@ -177,25 +175,8 @@ def test_amir_fields_equal_brute_force(vllm_runs):
 @pytest.mark.parametrize("mode", list(LAYOUT))
 def test_async_on_vllm_resumes_the_responses_a_weight_sync_aborted(vllm_runs, mode):
     assets, runs = vllm_runs
-    workdir, metrics, records = runs[mode]
-    prompts, local_updates = LAYOUT[mode]
-    policies = {step: load_policy(assets, workdir, step) for step in range(STEPS)}
-    spliced = stale = 0
-    for (step, j), (record, actor) in sorted(records.items()):
-        # local updates j >= 1 of separate_async start from the weights after update j - 1: no checkpoint holds them
-        counts = check_update(record, actor, policies, step, prompts, exact_gradient=j == 0)
-        spliced, stale = spliced + counts[0], stale + counts[1]
-    log = (workdir / "main_ppo.log").read_text()
-    held = log.count("held at token")
-    print(f"{mode} on vLLM: held responses {held}, spliced trajectories {spliced}, stale ones {stale}")
-    assert held > 0 and spliced > 0 and stale > 0
+    log = check_async_run(assets, *runs[mode], mode, STEPS)
     assert "HFRolloutServer" not in log  # every replica, the standalone one too, is vLLM
-    for step in range(1, STEPS + 1):
-        calls = [records[step, j][0] for j in range(local_updates)]
-        for key in (NUM_PAIRS, PREF_LOSS, LAMBDA):  # verl's MetricsAggregator: the mean over the local updates
-            assert metrics[step][key] == pytest.approx(sum(c["metrics"][key] for c in calls) / local_updates, rel=1e-6)
-        state = json.loads((workdir / "checkpoints" / f"global_step_{step}" / "amir_state.json").read_text())
-        assert state["lambda_controller"]["num_updates"] == local_updates * step
 
 
 # a run whose engine fails: about 2 minutes on 2 busy cores, nearly all of it start-up (main_ppo's output ended
