@@ -93,8 +93,9 @@ _ERROR_LINE = re.compile(r"^\s*(?:\(\w+ pid=\d+\)\s*)?([\w.]*(?:Error|Exception|
 _VLLM_WORKER_FAILED = re.compile(r"Worker failed with error '(.+?)', please check")
 _VLLM_ENGINE_DEAD = "EngineDeadError"
 _VLLM_ENGINE_EXITED = "engine core exited unexpectedly"  # vLLM's front end, when the engine core process is gone
-# Output after which verl 0.9.1 never stops by itself: its vLLM engine is dead (EngineDeadError in every request;
-# seen: the engine core killed mid-run, and main_ppo then waited for rollouts with no further output). A child
+# Output after which verl 0.9.1 may never stop by itself: its vLLM engine is dead (a request in flight gets
+# EngineDeadError and the run stops; seen: the engine core killed between rollouts, and main_ppo then waited with
+# no further output). A child
 # that prints it and is still running FATAL_GRACE_S later is stopped by the launcher, as a failure.
 FATAL_OUTPUT = re.compile(f"{_VLLM_ENGINE_DEAD}|{_VLLM_ENGINE_EXITED}")
 FATAL_GRACE_S = 10.0  # time to stop on its own (an engine that fails at start: main_ppo's output ended 3 s after)
@@ -215,8 +216,8 @@ class _Child:
             self.fatal_at is not None and time.monotonic() - self.fatal_at > FATAL_GRACE_S)
 
     def finish(self) -> tuple[int, str]:
-        """Stop what the exited process left in its group (Ray processes would hold the output pipe open),
-        then return its exit status and output."""
+        """Stop the process's group (what an exited process left: Ray processes would hold the output pipe open;
+        or the process itself, when :meth:`ended` says so), then return its exit status and output."""
         stop_process_group(self.proc)
         self.reader.join(timeout=GRACE_S)
         if not self.reader.is_alive():  # closing it under a reading thread would raise there
