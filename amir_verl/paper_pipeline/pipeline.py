@@ -113,8 +113,9 @@ class Size:
 SIZES = {
     "default": Size(steps=6, prompts_per_step=2, response_tokens=64, train_problems=64, gsm8k_test_problems=4,
                     eval_problems=2, cold_start_steps=12, overlong_problems=1),
+    # CI's size: a 4-step cold start already teaches the answer template (SFT loss 0.77 -> 0.09; 8 steps: 0.04)
     "test": Size(steps=2, prompts_per_step=2, response_tokens=40, train_problems=16, gsm8k_test_problems=2,
-                 eval_problems=1, cold_start_steps=8),
+                 eval_problems=1, cold_start_steps=4),
     # one seed of `python -m amir_verl.study --task smollm2`: the test size's lengths, more steps and more
     # validation problems with both outcomes to measure the margin on
     "study": Size(steps=4, prompts_per_step=2, response_tokens=40, train_problems=32, gsm8k_test_problems=4,

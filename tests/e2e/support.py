@@ -11,7 +11,7 @@ import torch
 
 from amir_verl.cpu.launch import LoggedCommand, main_ppo_command, read_verl_metrics, run_main_ppo_together, verl_metrics_path
 from amir_verl.demo.quickstart import toy_grpo_overrides
-from amir_verl.metrics import LAMBDA, NUM_PAIRS, PG_GRAD_NORM, PREF_LOSS, PREF_TERM, ROLLOUT_PROBS_DIFF_MAX
+from amir_verl.metrics import LAMBDA, NUM_PAIRS, PG_GRAD_NORM, PREF_LOSS, PREF_TERM, REWARD, ROLLOUT_PROBS_DIFF_MAX
 from amir_verl.step_batch import FIELD_REF_SEQ_LOGP
 from tests.support import REPO
 
@@ -33,6 +33,18 @@ def train_side_by_side(commands: dict[str, LoggedCommand]) -> dict[str, dict[int
 
 def train(assets, workdir: Path, steps: int, extra: list[str], **kwargs) -> dict[int, dict[str, float]]:
     return train_side_by_side({"run": train_command(assets, workdir, steps, extra, **kwargs)})["run"]
+
+
+BASE_METRICS = ["actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl",
+                REWARD, "critic/advantages/mean", "response_length/mean"]  # verl's own, of any base loss
+
+
+def assert_same(a: dict, b: dict, keys, steps):
+    """Equal up to float32 summation order: the rollouts finish, and so enter verl's batch, in any order.
+    (Seen: grad norms equal to 7 digits, pg_loss -- a sum that nearly cancels -- within 1e-8 absolute.)"""
+    for step in steps:
+        for key in keys:
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-6), (step, key)
 
 
 BETA, DELTA = 0.5, 0.05  # AMIR's beta_dpo and delta_r in the brute-force e2e runs: delta below the toy reward's
@@ -141,7 +153,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_lora_run_with_reference(assets, workdir: Path, metrics: dict, records: dict) -> float:
-    """Every check of a 3-step ``amir.reference=ref`` LoRA run; returns the largest relative l_ref error."""
+    """Every check of an ``amir.reference=ref`` LoRA run of 2 or more steps; returns the largest relative l_ref error."""
     base = base_model(assets)
     base_state = base.state_dict()
     models = {0: base}  # the adapter starts with lora_B = 0: the step-1 policy is the base model

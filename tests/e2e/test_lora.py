@@ -17,16 +17,20 @@ model and verl's checkpoints. Run alone with ``python -m pytest tests/e2e/test_l
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from amir_verl.metrics import NUM_PAIRS, PREF_LOSS, ROLLOUT_PROBS_DIFF_MAX
+from amir_verl.metrics import LAMBDA, NUM_PAIRS, PREF_LOSS, ROLLOUT_PROBS_DIFF_MAX
 from amir_verl.step_batch import FIELD_REF_SEQ_LOGP
-from tests.e2e.support import (BETA, DELTA, base_model, check_lora_run_with_reference, pairs_by_definition,
-                               pref_objective, recipe_lora_overrides, seq_mean)
+from amir_verl.run_config import amir_overrides
+from tests.e2e.support import (BASE_METRICS, BETA, DELTA, GSPO_FLAGS, assert_same, base_model,
+                               check_lora_run_with_reference, pairs_by_definition, pref_objective,
+                               recipe_lora_overrides, seq_mean, train_command, train_side_by_side)
 from tests.support import REPO
 
 
@@ -37,31 +41,35 @@ def lora_command(assets, workdir: Path, steps: int, amir: list[str]):
     recipe's ``kl_loss_coef`` replaces the toy run's 0), a checkpoint every step and the probe, which
     records in ``workdir/probe``."""
     from tests.e2e.probe import probed
-    from tests.e2e.support import train_command
 
     return probed(train_command(assets, workdir, steps, amir, save_freq=1), workdir, REPO)
+
+
+RESUMED_FROM = 2  # the amir_gspo run's checkpoint the resume test restarts from
+
+
+# run -> (steps, overrides)
+LORA_RUNS = {
+    # AMIR-GSPO with amir.reference=ref (AMIR-GRPO with LoRA is the reference-free run; the reference path does
+    # not depend on the base loss); 4 steps and lambda's bounds apart, so that lambda moves: the resume test below
+    # restarts it from its step-2 checkpoint
+    "amir_gspo": (RESUMED_FROM + 2, GSPO_FLAGS + amir_overrides("amir_gspo", reference="ref", beta_dpo=BETA, delta_r=DELTA,
+                                                                lambda_init=0.02, lambda_min=0.005, lambda_max=0.5)
+                  + recipe_lora_overrides()),
+    "ref_free": (2, amir_overrides("amir_grpo", reference="ref_free", beta_dpo=BETA, delta_r=DELTA)
+                 + recipe_lora_overrides()
+                 + ["actor_rollout_ref.model.lora.merge=True", "actor_rollout_ref.rollout.layered_summon=False"]),
+}
 
 
 @pytest.fixture(scope="module")
 def lora_runs(assets, tmp_path_factory):
     """Two LoRA runs side by side -> {run: (workdir, verl's console metrics by step, the probe's records by step)}."""
-    from amir_verl.run_config import amir_overrides
-    from tests.e2e.support import GSPO_FLAGS, train_side_by_side
-
-    runs = {  # run -> (steps, overrides)
-        # AMIR-GSPO with amir.reference=ref (AMIR-GRPO with LoRA is the reference-free run; the reference
-        # path does not depend on the base loss)
-        "amir_gspo": (3, GSPO_FLAGS + amir_overrides("amir_gspo", reference="ref", beta_dpo=BETA, delta_r=DELTA)
-                      + recipe_lora_overrides()),
-        "ref_free": (2, amir_overrides("amir_grpo", reference="ref_free", beta_dpo=BETA, delta_r=DELTA)
-                     + recipe_lora_overrides()
-                     + ["actor_rollout_ref.model.lora.merge=True", "actor_rollout_ref.rollout.layered_summon=False"]),
-    }
     root = tmp_path_factory.mktemp("lora")
     metrics = train_side_by_side({name: lora_command(assets, root / name, steps, overrides)
-                                  for name, (steps, overrides) in runs.items()})
+                                  for name, (steps, overrides) in LORA_RUNS.items()})
     results = {}
-    for name, (steps, _) in runs.items():
+    for name, (steps, _) in LORA_RUNS.items():
         assert sorted(metrics[name]) == list(range(1, steps + 1)), name
         records = {step: torch.load(root / name / "probe" / f"step_{step}.pt") for step in range(1, steps + 1)}
         results[name] = (root / name, metrics[name], records)
@@ -70,7 +78,7 @@ def lora_runs(assets, tmp_path_factory):
 
 @pytest.mark.e2e
 def test_lora_reference_is_the_base_model_and_only_the_adapter_trains(assets, lora_runs):
-    """AMIR-GSPO, 3 steps with the recipe's LoRA settings and amir.reference=ref: l_ref == the base model's
+    """AMIR-GSPO, 4 steps with the recipe's LoRA settings and amir.reference=ref: l_ref == the base model's
     length-normalised log-prob (rel 1e-5), amir/pref_loss == -J_pref recomputed with the adapter at the
     step's start, base weights bit-identical, each checkpoint reproduces the next step's log-probs."""
     workdir, metrics, records = lora_runs["amir_gspo"]
@@ -97,6 +105,44 @@ def test_lora_reference_free_with_merged_adapter_sync(lora_runs):
     moved = max(float((torch.tensor(old).exp() - torch.tensor(ref).exp()).abs().max())
                 for old, ref in zip(records[2]["old_log_probs"], records[2]["ref_log_prob"]))
     assert metrics[2][ROLLOUT_PROBS_DIFF_MAX] < moved / 10, moved
+
+
+@pytest.mark.e2e
+def test_a_lora_run_resumed_from_its_checkpoint_restores_lambda_and_continues_identically(assets, lora_runs, tmp_path):
+    """The amir_gspo run restarted from verl's step-2 checkpoint in a fresh workdir (verl's ``resume_mode=auto``
+    finds it): the adapter, the optimizer, the dataloader and the lambda controller come back, so steps 3 and 4
+    equal the uninterrupted run's: verl's metrics, lambda, the pairs and pref_loss, and the probe's records
+    (the same responses, the same old and reference log-probs)."""
+    full_dir, full, full_records = lora_runs["amir_gspo"]
+    steps = max(full)
+    lambdas = [full[s][LAMBDA] for s in sorted(full)]
+    assert len(set(lambdas)) > 1, lambdas  # lambda moved, so restoring it matters
+    checkpoint = f"global_step_{RESUMED_FROM}"
+    resumed_dir = tmp_path / "resumed"
+    (resumed_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full_dir / "checkpoints" / checkpoint, resumed_dir / "checkpoints" / checkpoint)
+    (resumed_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text(str(RESUMED_FROM))
+    state = json.loads((resumed_dir / "checkpoints" / checkpoint / "amir_state.json").read_text())
+    # the controller picks each step's lambda before its update, from the saved value and that step's signal
+    assert state["lambda_controller"]["value"] == pytest.approx(full[RESUMED_FROM][LAMBDA])
+
+    command = lora_command(assets, resumed_dir, steps, LORA_RUNS["amir_gspo"][1])
+    resumed = train_side_by_side({"resumed": command})["resumed"]
+    later = list(range(RESUMED_FROM + 1, steps + 1))
+    assert sorted(resumed) == later
+    assert_same(full, resumed, BASE_METRICS + [LAMBDA, PREF_LOSS, NUM_PAIRS], later)
+    for step in later:  # the same samples (in any order: they enter verl's batch as they finish)
+        mine, theirs = (by_sample(record) for record in (torch.load(resumed_dir / "probe" / f"step_{step}.pt"),
+                                                          full_records[step]))
+        assert sorted(mine) == sorted(theirs), step
+        for sample, log_probs in mine.items():
+            torch.testing.assert_close(log_probs, theirs[sample], rtol=1e-5, atol=1e-6)
+
+
+def by_sample(record: dict) -> dict[tuple, torch.Tensor]:
+    """A probe record's (prompt, response) token ids -> its old and reference log-probs, stacked (2, tokens)."""
+    return {(tuple(prompt), tuple(response)): torch.tensor([old, ref]) for prompt, response, old, ref
+            in zip(record["prompts"], record["responses"], record["old_log_probs"], record["ref_log_prob"])}
 
 
 # ---- the hf rollout's adapter sync, without main_ppo ----------------------------------------------------
