@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from amir_verl.metrics import LAMBDA, NUM_PAIRS, PREF_LOSS, ROLLOUT_PROBS_DIFF_MAX
+from amir_verl.metrics import LAMBDA, NUM_PAIRS, PREF_LOSS, REWARD, ROLLOUT_PROBS_DIFF_MAX
 from amir_verl.step_batch import FIELD_REF_SEQ_LOGP
 from amir_verl.run_config import amir_overrides
 from tests.e2e.support import (BASE_METRICS, BETA, DELTA, GSPO_FLAGS, assert_same, base_model,
@@ -62,18 +62,34 @@ LORA_RUNS = {
 }
 
 
+# stock GSPO with the same LoRA settings, one step: the AMIR-GSPO switch's check is on step 1, where it and the
+# amir_gspo run have the same weights (the adapter starts with lora_B = 0) and the same rollouts
+STOCK_GSPO = GSPO_FLAGS + ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"] + recipe_lora_overrides()
+
+
 @pytest.fixture(scope="module")
 def lora_runs(assets, tmp_path_factory):
-    """Two LoRA runs side by side -> {run: (workdir, verl's console metrics by step, the probe's records by step)}."""
+    """The LoRA runs and stock GSPO side by side -> {run: (workdir, verl's console metrics by step, the probe's
+    records by step (none for stock GSPO: the probe records the AMIR trainer))}."""
     root = tmp_path_factory.mktemp("lora")
-    metrics = train_side_by_side({name: lora_command(assets, root / name, steps, overrides)
-                                  for name, (steps, overrides) in LORA_RUNS.items()})
-    results = {}
+    commands = {name: lora_command(assets, root / name, steps, overrides) for name, (steps, overrides) in LORA_RUNS.items()}
+    commands["gspo"] = train_command(assets, root / "gspo", 1, STOCK_GSPO, save_freq=1)
+    metrics = train_side_by_side(commands)
+    results = {"gspo": (root / "gspo", metrics["gspo"], {})}
     for name, (steps, _) in LORA_RUNS.items():
         assert sorted(metrics[name]) == list(range(1, steps + 1)), name
         records = {step: torch.load(root / name / "probe" / f"step_{step}.pt") for step in range(1, steps + 1)}
         results[name] = (root / name, metrics[name], records)
     return results
+
+
+@pytest.mark.e2e
+def test_amir_gspo_switch_runs_and_its_base_part_is_gspo(lora_runs):
+    (_, gspo, _), (_, amir, _) = lora_runs["gspo"], lora_runs["amir_gspo"]
+    # step 1: same weights and rollouts, so the policy-gradient part (actor/pg_loss) is GSPO's
+    assert_same(gspo, amir, ["actor/pg_loss", REWARD, "actor/pg_clipfrac"], [1])
+    assert amir[1][NUM_PAIRS] > 0 and amir[1][LAMBDA] > 0
+    assert amir[1]["actor/grad_norm"] != pytest.approx(gspo[1]["actor/grad_norm"], rel=1e-6)  # the term acted
 
 
 @pytest.mark.e2e
