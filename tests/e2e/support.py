@@ -31,10 +31,6 @@ def train_side_by_side(commands: dict[str, LoggedCommand]) -> dict[str, dict[int
     return {name: read_verl_metrics(verl_metrics_path(command.log_path)) for name, command in commands.items()}
 
 
-def train(assets, workdir: Path, steps: int, extra: list[str], **kwargs) -> dict[int, dict[str, float]]:
-    return train_side_by_side({"run": train_command(assets, workdir, steps, extra, **kwargs)})["run"]
-
-
 BASE_METRICS = ["actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl",
                 REWARD, "critic/advantages/mean", "response_length/mean"]  # verl's own, of any base loss
 

@@ -148,17 +148,18 @@ def test_a_lora_run_resumed_from_its_checkpoint_restores_lambda_and_continues_id
     assert sorted(resumed) == later
     assert_same(full, resumed, BASE_METRICS + [LAMBDA, PREF_LOSS, NUM_PAIRS], later)
     for step in later:  # the same samples (in any order: they enter verl's batch as they finish)
-        mine, theirs = (by_sample(record) for record in (torch.load(resumed_dir / "probe" / f"step_{step}.pt"),
-                                                          full_records[step]))
-        assert sorted(mine) == sorted(theirs), step
-        for sample, log_probs in mine.items():
-            torch.testing.assert_close(log_probs, theirs[sample], rtol=1e-5, atol=1e-6)
+        mine, theirs = torch.load(resumed_dir / "probe" / f"step_{step}.pt"), full_records[step]
+        assert sorted(sample for sample, _ in by_sample(mine)) == sorted(sample for sample, _ in by_sample(theirs)), step
+        expected = dict(by_sample(theirs))
+        for sample, log_probs in by_sample(mine):
+            torch.testing.assert_close(log_probs, expected[sample], rtol=1e-5, atol=1e-6)
 
 
-def by_sample(record: dict) -> dict[tuple, torch.Tensor]:
-    """A probe record's (prompt, response) token ids -> its old and reference log-probs, stacked (2, tokens)."""
-    return {(tuple(prompt), tuple(response)): torch.tensor([old, ref]) for prompt, response, old, ref
-            in zip(record["prompts"], record["responses"], record["old_log_probs"], record["ref_log_prob"])}
+def by_sample(record: dict) -> list[tuple[tuple, torch.Tensor]]:
+    """A probe record's samples, each as ((prompt ids, response ids), its old and reference log-probs stacked
+    (2, response tokens)); a list, so that a response sampled twice counts twice."""
+    return [((tuple(prompt), tuple(response)), torch.tensor([old, ref])) for prompt, response, old, ref
+            in zip(record["prompts"], record["responses"], record["old_log_probs"], record["ref_log_prob"])]
 
 
 # ---- the hf rollout's adapter sync, without main_ppo ----------------------------------------------------
