@@ -104,6 +104,36 @@ def test_the_study_resumes_refuses_other_settings_and_reports_a_failed_seed(tmp_
     assert "is a file" in capsys.readouterr().err
 
 
+def test_the_toy_study_trains_each_seeds_pair_with_that_seed_and_the_studys_steps(monkeypatch, tmp_path):
+    """The toy task's argv goes through the quickstart's own parser to the main_ppo commands of each seed's pair:
+    that seed for the data order, the rollout sampling and the actor's mini-batches, the study's steps, the
+    user's overrides last. (What the pair then writes, summary.json's figures, is checked against the runs' own
+    metrics by the demo's end-to-end test; the study's table from summary.json by the stand-in tests above.)"""
+    from amir_verl.demo import quickstart
+
+    class Trained(Exception):
+        pass
+
+    def capture(runs, timeout):
+        commands.update(runs)
+        raise Trained  # the pair's commands are all this test needs
+
+    monkeypatch.setattr(quickstart, "run_main_ppo_together", capture)
+    monkeypatch.setattr(quickstart, "make_assets", lambda workdir: {"model": "M", "train": "T", "test": "V"})
+    for seed in (0, 3):
+        commands = {}
+        with pytest.raises(Trained):
+            study.TASKS["toy"].main(study.TASKS["toy"].argv(tmp_path / f"seed_{seed}", seed, 7, ["trainer.x=1"]))
+        assert sorted(commands) == sorted(quickstart.RUNS)
+        for run, command in commands.items():
+            overrides = command.cmd[command.cmd.index("verl.trainer.main_ppo") + 1:]
+            for key in ("data.seed", "actor_rollout_ref.actor.data_loader_seed", "actor_rollout_ref.rollout.seed"):
+                assert f"{key}={seed}" in overrides, (seed, run, key)
+            assert "trainer.total_training_steps=7" in overrides and overrides[-1] == "trainer.x=1"
+            assert overrides[-len(quickstart.RUNS[run][1]) - 1:-1] == quickstart.RUNS[run][1]
+            assert (tmp_path / f"seed_{seed}" / run / "command.txt").read_text().count(f"data.seed={seed}") == 1
+
+
 def test_the_demo_labels_its_runs_as_the_pipeline_does():
     from amir_verl.demo.quickstart import RUNS
 

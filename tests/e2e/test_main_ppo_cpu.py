@@ -8,12 +8,15 @@ Run them alone with ``python -m pytest -m e2e``.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from statistics import fmean
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -22,10 +25,11 @@ import torch
 
 from amir_verl import run_figures
 from amir_verl.cpu.launch import GRACE_S, LoggedCommand, read_verl_metrics, run_logged, run_main_ppo, verl_metrics_path
-from amir_verl.demo.quickstart import DEFAULT_STEPS, DEFAULT_WORKDIR, run_overrides
+from amir_verl.demo.quickstart import DEFAULT_STEPS, DEFAULT_WORKDIR, RUNS, run_overrides
+from amir_verl.demo.report import NO_BRIER, SUMMARY_WINDOW
 from amir_verl.demo.toy_task import make_assets
 from amir_verl.run_config import amir_overrides
-from amir_verl.metrics import LAMBDA, NUM_PAIRS, PAIRED_SEQUENCES_MIN, PREFIX, PREF_LOSS, PREF_TERM, PREF_TERM_MIN, REWARD, ROLLOUT_PROBS_DIFF_MAX
+from amir_verl.metrics import LAMBDA, MARGIN, NUM_PAIRS, PAIR_ACCURACY, PAIRED_SEQUENCES_MIN, PREFIX, PREF_LOSS, PREF_TERM, PREF_TERM_MIN, REWARD, ROLLOUT_PROBS_DIFF_MAX
 from tests.e2e.support import BASE_METRICS, assert_same, train_command, train_side_by_side
 from tests.support import README, readme_commands, sigint_as_from_a_terminal
 
@@ -35,15 +39,34 @@ pytestmark = pytest.mark.e2e
 GRPO_BASE = ["actor_rollout_ref.actor.use_kl_loss=True"]
 
 
+@dataclass
+class InterruptedQuickstart:
+    """The quickstart stopped by Ctrl-C once its step 1 was on the console."""
+
+    workdir: Path
+    started: list[psutil.Process]  # its processes when the signal went: main_ppo, Ray's GCS and raylet, the workers
+    started_commands: list[str]
+    stop_s: float  # from the signal to its exit
+    returncode: int
+    out: str
+    err: str
+
+
 @pytest.fixture(scope="module")
 def independent_runs(assets, tmp_path_factory) -> dict[str, tuple[Path, dict[int, dict[str, float]]]]:
-    """The runs that need nothing from each other, side by side: {run: (its workdir, its metrics by step)}.
-    Each test below builds its run's command next to it; selecting either test runs both. (The AMIR-GSPO
-    switch is checked on the LoRA runs, tests/e2e/test_lora.py.)"""
+    """The runs that need nothing from each other, side by side: the 2-rank run and the quickstart that Ctrl-C
+    stops after its step 1 (:func:`interrupted_quickstart`), which uses the calibrated reward manager on the way.
+    {run: (its workdir, its metrics by step)}; the interrupted quickstart's record under ``"interrupted"``. Each
+    test below builds its run's command next to it; selecting any of them runs both. (The AMIR-GSPO switch is
+    checked on the LoRA runs, tests/e2e/test_lora.py.)"""
     root = tmp_path_factory.mktemp("runs")
-    commands = {"dp2": dp2_command(assets, root / "dp2"), "calibrated": calibrated_command(assets, root / "calibrated")}
-    metrics = train_side_by_side(commands)
-    return {name: (root / name, metrics[name]) for name in commands}
+    with ThreadPoolExecutor(1) as pool:
+        interrupted = pool.submit(interrupted_quickstart, root / "interrupted")
+        dp2 = train_side_by_side({"dp2": dp2_command(assets, root / "dp2")})["dp2"]
+        stopped = interrupted.result()
+    quickstart_metrics = read_verl_metrics(verl_metrics_path(stopped.workdir / "grpo" / "main_ppo.log"))
+    return {"dp2": (root / "dp2", dp2), "calibrated": (stopped.workdir / "grpo", quickstart_metrics),
+            "interrupted": stopped}
 
 
 DP2_BETA, DP2_DELTA, DP2_LAMBDA = 0.5, 0.05, 0.05  # pairs from step 1 on the toy reward's format credit
@@ -160,19 +183,13 @@ def test_bad_amir_config_fails_before_training_naming_the_fix(bad_config_runs, n
     assert "ray init kwargs" not in log  # stopped on the driver, before Ray started
 
 
-def calibrated_command(assets, workdir: Path) -> LoggedCommand:
-    command = train_command(assets, workdir, 1,
-                            amir_overrides("amir_grpo", reference="ref_free")
-                            + ["reward.reward_manager.name=amir_calibrated", "+reward.reward_kwargs.w_fmt=0.2"],
-                            test_freq=1)
-    command.env["RAY_ADDRESS"] = "127.0.0.1:9"  # a Ray that does not exist
-    return command
+CALIBRATED = ["reward.reward_manager.name=amir_calibrated", "+reward.reward_kwargs.w_fmt=0.2", "trainer.test_freq=1"]
 
 
 def test_calibrated_reward_manager_runs_in_verls_reward_loop(independent_runs):
-    """reward.reward_manager.name=amir_calibrated resolves in verl's reward-loop workers (plugin loaded
-    there too) and its extra fields reach validation. RAY_ADDRESS names a Ray that does not exist: the
-    CPU overrides start the run's own Ray anyway."""
+    """reward.reward_manager.name=amir_calibrated (the interrupted quickstart's, after ``--``) resolves in verl's
+    reward-loop workers (plugin loaded there too) and its extra fields reach validation. RAY_ADDRESS names a
+    Ray that does not exist: the CPU overrides start the run's own Ray anyway."""
     _, metrics = independent_runs["calibrated"]
     assert metrics[1][REWARD] >= 0.0  # the toy model never writes the template: score ~0
     keys = set(metrics[1])
@@ -233,7 +250,8 @@ def test_the_readmes_demo_prints_the_readmes_table_on_a_quiet_console_and_its_gr
     printed = (workdir / "summary.md").read_text().strip()
     assert printed in out
     assert printed == readme_table, f"the demo printed\n{printed}\nthe README shows\n{readme_table}"
-    figures = run_figures.read_summary(workdir)["runs"]  # what the study reads: the table's figures
+    summary = run_figures.read_summary(workdir)  # what the study reads: the table's figures
+    figures = summary["runs"]
     for row in printed.splitlines()[2:]:
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         run = figures[cells[0]]
@@ -241,6 +259,19 @@ def test_the_readmes_demo_prints_the_readmes_table_on_a_quiet_console_and_its_gr
         assert cells[3].split(" -> ")[1] == f"{run[run_figures.VALIDATION_ACCURACY]:.3f}"
         assert cells[4] == f"{run[run_figures.MARGIN]:+.3f}" and cells[5] == f"{run[run_figures.PAIR_ACCURACY]:.2f}"
         assert run[run_figures.BRIER] is None
+    assert summary["not_measured"] == {run_figures.BRIER: NO_BRIER}
+    for run, (label, _) in RUNS.items():  # each figure by its definition, from the run's metrics
+        logged = read_jsonl(workdir / run / "metrics.jsonl")
+        with_pairs = [logged[s] for s in range(1, steps + 1) if logged[s][NUM_PAIRS]][-SUMMARY_WINDOW:]
+        assert with_pairs, "the toy task mines pairs from step 1 on"
+        last_val = logged[max(s for s, m in logged.items() if any(k.startswith("val-core/") for k in m))]
+        assert figures[label] == pytest.approx({
+            run_figures.REWARD: fmean([logged[s][REWARD] for s in range(steps - SUMMARY_WINDOW + 1, steps + 1)]),
+            run_figures.VALIDATION_ACCURACY: fmean([v for k, v in last_val.items()
+                                                   if k.startswith("val-core/") and "/acc/mean@" in k]),
+            run_figures.MARGIN: fmean([m[MARGIN] for m in with_pairs]),
+            run_figures.PAIR_ACCURACY: fmean([m[PAIR_ACCURACY] for m in with_pairs]),
+            run_figures.BRIER: None}), label
 
     for made in ("model/model.safetensors", "data/train.parquet", "data/test.parquet"):
         assert (workdir / made).read_bytes() == (tmp_path / "stock_assets" / made).read_bytes(), made
@@ -248,26 +279,34 @@ def test_the_readmes_demo_prints_the_readmes_table_on_a_quiet_console_and_its_gr
     assert_same(stock, grpo, BASE_METRICS, range(1, stock_steps + 1))
 
 
-def test_quickstart_ctrl_c_stops_promptly_leaves_nothing_running_and_says_where_the_results_are(tmp_path):
-    workdir = tmp_path / "interrupted"
-    proc = quickstart(workdir, "--runs", "grpo", "--steps", "40", preexec_fn=sigint_as_from_a_terminal)
+def interrupted_quickstart(workdir: Path) -> InterruptedQuickstart:
+    """``quickstart --runs grpo --steps 40 -- <the calibrated reward>`` with RAY_ADDRESS naming a Ray that does
+    not exist, sent SIGINT as a terminal's Ctrl-C once step 1 is on its console."""
+    proc = quickstart(workdir, "--runs", "grpo", "--steps", "40", "--", *CALIBRATED, preexec_fn=sigint_as_from_a_terminal,
+                      env=dict(os.environ, RAY_ADDRESS="127.0.0.1:9"))
     for line in proc.stdout:
         if line.startswith("[grpo] step  1/40"):
             break
     else:
         pytest.fail(f"no step 1: {proc.stderr.read()[-3000:]}")
-    started = psutil.Process(proc.pid).children(recursive=True)  # main_ppo, Ray's GCS and raylet, the workers
-    assert any("verl.trainer.main_ppo" in " ".join(p.cmdline()) for p in started)
+    started = psutil.Process(proc.pid).children(recursive=True)
+    started_commands = [" ".join(p.cmdline()) for p in started]
     proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends the quickstart (main_ppo has its own session)
     start = time.monotonic()
     out, err = proc.communicate(timeout=120)
+    return InterruptedQuickstart(workdir, started, started_commands, time.monotonic() - start, proc.returncode, out, err)
+
+
+def test_quickstart_ctrl_c_stops_promptly_leaves_nothing_running_and_says_where_the_results_are(independent_runs):
+    stopped = independent_runs["interrupted"]
+    assert any("verl.trainer.main_ppo" in command for command in stopped.started_commands)
     # bounded by the launcher, not by the machine's pace: SIGTERM, then SIGKILL after GRACE_S
-    assert time.monotonic() - start < 2 * GRACE_S + 20
-    assert proc.returncode == 130
-    assert "Traceback" not in out + err
-    assert "interrupted during grpo at step " in err and str(workdir) in err
-    assert 1 in read_jsonl(workdir / "grpo" / "metrics.jsonl")  # the partial results are where it says
-    assert still_running(started, within_s=30) == []  # killed processes vanish once the kernel has reaped them
+    assert stopped.stop_s < 2 * GRACE_S + 20
+    assert stopped.returncode == 130
+    assert "Traceback" not in stopped.out + stopped.err
+    assert "interrupted during grpo at step " in stopped.err and str(stopped.workdir) in stopped.err
+    assert 1 in read_jsonl(stopped.workdir / "grpo" / "metrics.jsonl")  # the partial results are where it says
+    assert still_running(stopped.started, within_s=30) == []  # killed processes vanish once the kernel has reaped them
 
 
 def still_running(processes: list[psutil.Process], within_s: float) -> list[psutil.Process]:
