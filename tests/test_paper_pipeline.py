@@ -4,13 +4,14 @@ evaluation stage, on runs built to hit each case (no pair, nothing to measure, i
 responses, a failing analysis), say what the files show."""
 
 import math
+import os
 import random
 
 import pytest
 from omegaconf import OmegaConf
 
 from amir_verl.paper_pipeline import EVAL_BENCHMARKS
-from amir_verl.paper_pipeline.pipeline import CPU_OVERRIDES, SIZES
+from amir_verl.paper_pipeline.pipeline import CPU_OVERRIDES, ROLLOUTS, SIZES, rollout_settings
 from amir_verl.paper_pipeline.data import raw_record, word_problem, worked_answer
 from amir_verl.datasets import SOURCES, to_row
 from amir_verl.reward import compute_score
@@ -70,16 +71,19 @@ def test_every_size_sets_the_same_keys():
     assert len({tuple(o.split("=")[0] for o in size.overrides()) for size in SIZES.values()}) == 1
 
 
+@pytest.mark.parametrize("rollout", ROLLOUTS)
 @pytest.mark.parametrize("variant", ["grpo", "amir_grpo", "gspo", "amir_gspo"])
-def test_the_pipelines_cpu_overrides_touch_no_algorithm_key_of_the_recipe(variant, monkeypatch):
+def test_the_pipelines_cpu_overrides_touch_no_algorithm_key_of_the_recipe(variant, rollout, monkeypatch):
     monkeypatch.setenv("AMIR_OUTPUT", "/tmp/out")
     as_written = OmegaConf.to_container(compose_recipe(variant, "/models/smollm2"))
-    on_cpu = OmegaConf.to_container(compose_recipe(variant, "/models/smollm2", [*CPU_OVERRIDES, *SIZES["test"].overrides()]))
+    on_cpu = OmegaConf.to_container(compose_recipe(variant, "/models/smollm2", [
+        *CPU_OVERRIDES, *rollout_settings(rollout)[0], *SIZES["test"].overrides()]))
     changed = sorted(differences(as_written, on_cpu))
     touched = [path for path in changed if is_algorithm_key(path)]
     assert not touched, touched
     # and the overrides do what they are for (the check above is not vacuous)
-    assert "actor_rollout_ref.rollout.name" in changed and "data.train_batch_size" in changed
+    assert "data.train_batch_size" in changed and on_cpu["actor_rollout_ref"]["rollout"]["name"] == rollout
+    assert ("actor_rollout_ref.rollout.name" in changed) == (rollout != "vllm")  # the recipe's own engine is vLLM
     assert on_cpu["actor_rollout_ref"]["rollout"]["val_kwargs"]["n"] == 8 and on_cpu["actor_rollout_ref"]["rollout"]["n"] == 8
     assert on_cpu["actor_rollout_ref"]["model"]["lora_rank"] == 16
 
@@ -246,3 +250,37 @@ def test_the_evaluation_stage_reports_nothing_to_measure_and_stops_on_a_real_fai
     shutil.rmtree(tmp_path / "outputs" / "smollm2-135m_amir_grpo" / "validation")
     with pytest.raises(PipelineError, match=r"^amir-eval passk failed \(exit 2\): amir-eval: error: .*full log: "):
         evaluate(tmp_path, [RUN_PAIR], merged_pair, merged_pair["grpo"])
+
+
+def test_the_vllm_rollout_without_vllm_is_refused_naming_the_extra(tmp_path, capsys, monkeypatch):
+    from amir_verl.paper_pipeline import pipeline
+
+    monkeypatch.setattr(pipeline, "vllm_installed", lambda: False)
+    assert pipeline.main(["--workdir", str(tmp_path / "w"), "--rollout", "vllm"]) == 2
+    err = capsys.readouterr().err
+    assert "cpu-vllm" in err and pipeline.VLLM_INSTALL in err
+    assert not (tmp_path / "w").exists()  # refused before any stage
+
+
+def test_a_vllm_run_gets_the_engines_overrides_after_the_cpu_settings_and_its_environment(tmp_path):
+    from amir_verl.cpu.settings import vllm_rollout_env, vllm_rollout_settings
+    from amir_verl.paper_pipeline.pipeline import run_command
+
+    hf, vllm = (run_command("amir_grpo", tmp_path, tmp_path, tmp_path, SIZES["test"], ["x=1"], tmp_path / "log", rollout)
+                for rollout in ("hf", "vllm"))
+    assert vllm.cmd == [*hf.cmd[:4 + len(CPU_OVERRIDES)], *vllm_rollout_settings(), *hf.cmd[4 + len(CPU_OVERRIDES):]]
+    assert {k: vllm.env[k] for k in vllm_rollout_env()} == vllm_rollout_env()
+    assert all(hf.env.get(k) == os.environ.get(k) for k in vllm_rollout_env())  # the hf run's: only what it inherits
+
+
+def test_the_summary_names_each_runs_rollout_engine_from_its_composed_config(tmp_path):
+    from amir_verl.paper_pipeline import experiment
+    from amir_verl.paper_pipeline.report import ROLLOUT_ENGINES, rollout_engines
+
+    for variant, name in (("grpo", "hf"), ("amir_grpo", "vllm")):
+        record = tmp_path / "outputs" / experiment(variant) / "hydra" / ".hydra"
+        record.mkdir(parents=True)
+        (record / "config.yaml").write_text(f"actor_rollout_ref:\n  rollout:\n    name: {name}\n")
+    assert rollout_engines(tmp_path, ["grpo", "amir_grpo"]) == (
+        f"Rollout engine: GRPO: {ROLLOUT_ENGINES['hf']}; AMIR-GRPO: {ROLLOUT_ENGINES['vllm']}.")
+    assert rollout_engines(tmp_path, ["grpo"]) == f"Rollout engine (every run): {ROLLOUT_ENGINES['hf']}."

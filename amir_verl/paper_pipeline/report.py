@@ -71,10 +71,28 @@ def largest_weight_difference(a: Path, b: Path) -> tuple[float, int]:
         return max(float((first[k].float() - second[k].float()).abs().max()) for k in first), len(first)
 
 
-def composed_adapter(work: Path, variant: str) -> str | None:
-    """The ``lora_adapter_path`` a run composed (hydra's record of its config)."""
+def composed(work: Path, variant: str, key: str):
+    """The value of ``key`` in the config a run composed (hydra's record of it); None without the record."""
     config = work / "outputs" / experiment(variant) / "hydra" / ".hydra" / "config.yaml"
-    return OmegaConf.select(OmegaConf.load(config), "actor_rollout_ref.model.lora_adapter_path") if config.exists() else None
+    return OmegaConf.select(OmegaConf.load(config), key) if config.exists() else None
+
+
+def composed_adapter(work: Path, variant: str) -> str | None:
+    """The ``lora_adapter_path`` a run composed."""
+    return composed(work, variant, "actor_rollout_ref.model.lora_adapter_path")
+
+
+ROLLOUT_ENGINES = {"hf": "the hf server (amir_verl.cpu.hf_rollout, transformers' generate)",
+                   "vllm": "verl's own vllm rollout (vLLM's CPU build, the cpu-vllm extra)"}
+
+
+def rollout_engines(work: Path, variants: list[str]) -> str:
+    """Which rollout engine each run used, from the configs the runs composed: one line."""
+    names = {v: composed(work, v, "actor_rollout_ref.rollout.name") for v in variants}
+    described = {v: ROLLOUT_ENGINES.get(name, f"rollout.name={name}") for v, name in names.items()}
+    if len(set(described.values())) == 1:
+        return f"Rollout engine (every run): {next(iter(described.values()))}."
+    return "Rollout engine: " + "; ".join(f"{VARIANTS[v]}: {d}" for v, d in described.items()) + "."
 
 
 def pref_loss_shifts(steps: dict[int, dict[str, float]]) -> list[float | None]:
@@ -218,7 +236,8 @@ def pair_figures(work: Path, base: str, amir: str, metrics: dict, outputs: dict[
 def summary(work: Path, pairs: list[tuple[str, str]], metrics: dict, outputs: dict[str, Evaluated], size,
             merged: dict[str, Path]) -> str:
     parts = [f"## CPU paper pipeline: SmolLM2-135M-Instruct, {size.steps} RL steps of "
-             f"{size.prompts_per_step} prompts x 8, responses up to {size.response_tokens} tokens"]
+             f"{size.prompts_per_step} prompts x 8, responses up to {size.response_tokens} tokens",
+             rollout_engines(work, [v for pair in pairs for v in pair])]
     rows = [training_row(VARIANTS[v], metrics[v]) for pair in pairs for v in pair]
     parts += ["### Training (verl's metrics)", _markdown(rows)]
     for base, amir in pairs:
