@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -69,18 +71,45 @@ STOCK_GSPO = GSPO_FLAGS + ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"]
 
 @pytest.fixture(scope="module")
 def lora_runs(assets, tmp_path_factory):
-    """The LoRA runs and stock GSPO side by side -> {run: (workdir, verl's console metrics by step, the probe's
-    records by step (none for stock GSPO: the probe records the AMIR trainer))}."""
+    """The LoRA runs and stock GSPO side by side, and the amir_gspo run restarted from its step-2 checkpoint as soon
+    as that checkpoint is written (:func:`restart_from_checkpoint`, beside the wave's last steps) -> {run:
+    (workdir, verl's console metrics by step, the probe's records by step (none for stock GSPO: the probe records
+    the AMIR trainer))}, the restarted run under ``"resumed"``."""
     root = tmp_path_factory.mktemp("lora")
     commands = {name: lora_command(assets, root / name, steps, overrides) for name, (steps, overrides) in LORA_RUNS.items()}
     commands["gspo"] = train_command(assets, root / "gspo", 1, STOCK_GSPO, save_freq=1)
-    metrics = train_side_by_side(commands)
+    wave_ended = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        resumed = pool.submit(restart_from_checkpoint, assets, root / "amir_gspo", root / "resumed", wave_ended)
+        try:
+            metrics = train_side_by_side(commands)
+        finally:
+            wave_ended.set()
+        metrics["resumed"] = resumed.result()
     results = {"gspo": (root / "gspo", metrics["gspo"], {})}
     for name, (steps, _) in LORA_RUNS.items():
         assert sorted(metrics[name]) == list(range(1, steps + 1)), name
         records = {step: torch.load(root / name / "probe" / f"step_{step}.pt") for step in range(1, steps + 1)}
         results[name] = (root / name, metrics[name], records)
+    results["resumed"] = (root / "resumed", metrics["resumed"], {})
     return results
+
+
+def restart_from_checkpoint(assets, full_dir: Path, resumed_dir: Path, wave_ended: threading.Event):
+    """Once the run in ``full_dir`` has written its ``RESUMED_FROM`` checkpoint (verl writes
+    ``latest_checkpointed_iteration.txt`` after the checkpoint), that checkpoint copied into the fresh
+    ``resumed_dir`` and the run started there for all of its steps: verl's ``resume_mode=auto`` finds it, as a
+    user restarts a stopped run. Returns the restarted run's metrics by step (None if the wave ended first)."""
+    latest = full_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    while not (latest.exists() and latest.read_text().strip().isdigit() and int(latest.read_text()) >= RESUMED_FROM):
+        if wave_ended.wait(1.0):
+            return None
+    checkpoint = f"global_step_{RESUMED_FROM}"
+    (resumed_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full_dir / "checkpoints" / checkpoint, resumed_dir / "checkpoints" / checkpoint)
+    (resumed_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text(str(RESUMED_FROM))
+    steps, overrides = LORA_RUNS["amir_gspo"]
+    return train_side_by_side({"resumed": lora_command(assets, resumed_dir, steps, overrides)})["resumed"]
 
 
 @pytest.mark.e2e
@@ -124,26 +153,21 @@ def test_lora_reference_free_with_merged_adapter_sync(lora_runs):
 
 
 @pytest.mark.e2e
-def test_a_lora_run_resumed_from_its_checkpoint_restores_lambda_and_continues_identically(assets, lora_runs, tmp_path):
+def test_a_lora_run_resumed_from_its_checkpoint_restores_lambda_and_continues_identically(lora_runs):
     """The amir_gspo run restarted from verl's step-2 checkpoint in a fresh workdir (verl's ``resume_mode=auto``
     finds it): the adapter, the optimizer, the dataloader and the lambda controller come back, so steps 3 and 4
     equal the uninterrupted run's: verl's metrics, lambda, the pairs and pref_loss, and the probe's records
     (the same responses, the same old and reference log-probs)."""
-    full_dir, full, full_records = lora_runs["amir_gspo"]
+    _, full, full_records = lora_runs["amir_gspo"]
+    resumed_dir, resumed, _ = lora_runs["resumed"]
+    assert resumed is not None, "the amir_gspo run wrote no step-2 checkpoint"
     steps = max(full)
     lambdas = [full[s][LAMBDA] for s in sorted(full)]
     assert len(set(lambdas)) > 1, lambdas  # lambda moved, so restoring it matters
-    checkpoint = f"global_step_{RESUMED_FROM}"
-    resumed_dir = tmp_path / "resumed"
-    (resumed_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(full_dir / "checkpoints" / checkpoint, resumed_dir / "checkpoints" / checkpoint)
-    (resumed_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text(str(RESUMED_FROM))
-    state = json.loads((resumed_dir / "checkpoints" / checkpoint / "amir_state.json").read_text())
+    state = json.loads((resumed_dir / "checkpoints" / f"global_step_{RESUMED_FROM}" / "amir_state.json").read_text())
     # the controller picks each step's lambda before its update, from the saved value and that step's signal
     assert state["lambda_controller"]["value"] == pytest.approx(full[RESUMED_FROM][LAMBDA])
 
-    command = lora_command(assets, resumed_dir, steps, LORA_RUNS["amir_gspo"][1])
-    resumed = train_side_by_side({"resumed": command})["resumed"]
     later = list(range(RESUMED_FROM + 1, steps + 1))
     assert sorted(resumed) == later
     assert_same(full, resumed, BASE_METRICS + [LAMBDA, PREF_LOSS, NUM_PAIRS], later)
