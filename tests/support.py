@@ -5,6 +5,7 @@ other."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -30,6 +31,14 @@ from amir_verl.testing import (
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 README = REPO / "README.md"
+
+
+# The suite's pipeline run rolls out on the hf server unless AMIR_VERL_TEST_PIPELINE_ROLLOUT says otherwise
+# (vllm: what `--rollout auto` picks where vLLM's CPU build is installed). On vLLM a pair trains one run after the
+# other (pipeline.RUNS_AT_ONCE: side by side they ran 24 GB out of memory), which would make the pipeline the
+# suite's longest stage several times over; verl's vllm rollout is tested on the toy task in every schedule
+# (tests/e2e/test_vllm_rollout_cpu.py), and the pipeline's tests pass on it (README, The CPU backend).
+PIPELINE_ROLLOUT = os.environ.get("AMIR_VERL_TEST_PIPELINE_ROLLOUT", "hf")
 
 
 def readme_commands() -> list[str]:

@@ -284,3 +284,15 @@ def test_the_summary_names_each_runs_rollout_engine_from_its_composed_config(tmp
     assert rollout_engines(tmp_path, ["grpo", "amir_grpo"]) == (
         f"Rollout engine: GRPO: {ROLLOUT_ENGINES['hf']}; AMIR-GRPO: {ROLLOUT_ENGINES['vllm']}.")
     assert rollout_engines(tmp_path, ["grpo"]) == f"Rollout engine (every run): {ROLLOUT_ENGINES['hf']}."
+
+
+@pytest.mark.parametrize("rollout", ROLLOUTS)
+def test_each_pair_trains_side_by_side_on_the_hf_server_and_one_run_at_a_time_on_vllm(tmp_path, monkeypatch, rollout):
+    from amir_verl.paper_pipeline import pipeline
+
+    launches = []
+    monkeypatch.setattr(pipeline, "run_main_ppo_together", lambda commands, timeout: launches.append(list(commands)))
+    pairs = [("grpo", "amir_grpo"), ("gspo", "amir_gspo")]
+    pipeline.train(tmp_path, pairs, tmp_path, tmp_path, tmp_path, SIZES["test"], [], rollout=rollout)
+    expected = {"hf": [list(pair) for pair in pairs], "vllm": [[v] for pair in pairs for v in pair]}
+    assert launches == expected[rollout]

