@@ -133,7 +133,11 @@ def test_the_runs_rolled_out_on_the_engine_asked_for_and_the_summary_says_which(
 def test_both_runs_start_from_the_same_adapter_and_roll_out_the_same_first_step(pipeline):
     """Like with like: one initial adapter (B = 0, the recipe's rank and alpha), loaded by both runs through
     verl's lora_adapter_path (each run's log says so), the AMIR run's validation before training left to the
-    GRPO run's, and identical step-1 rollouts."""
+    GRPO run's, the same step-1 prompts, and on the hf server identical step-1 rollouts. verl's vllm rollout
+    seeds the engine, not each request (a per-request seed only under ``rollout.full_determinism``, and then
+    one seed for all n samples of a prompt), so its samples depend on how requests meet in the engine's
+    batches: on vLLM the two runs' step-1 responses differ (measured at --size test: rewards 0.585 and 0.357),
+    as they do between two GPU runs."""
     from safetensors.torch import load_file
 
     work, _ = pipeline
@@ -148,9 +152,10 @@ def test_both_runs_start_from_the_same_adapter_and_roll_out_the_same_first_step(
     assert 0 in metrics(work, "grpo") and 0 not in metrics(work, "amir_grpo")
     first = [dump(run_dir(work, variant) / "rollout", 1) for variant in RUNS]
     assert len(first[0]) == SIZE.prompts_per_step * 8
-    # the same samples of each group (the rollout's seeding: per prompt and occurrence), in any order
-    assert sorted((r["input"], r["output"], r["score"]) for r in first[0]) == sorted(
-        (r["input"], r["output"], r["score"]) for r in first[1])
+    assert sorted(r["input"] for r in first[0]) == sorted(r["input"] for r in first[1])  # same data order
+    if ENGINE == "hf":  # the same samples of each group (the hf server's seeding: per prompt and occurrence)
+        assert sorted((r["input"], r["output"], r["score"]) for r in first[0]) == sorted(
+            (r["input"], r["output"], r["score"]) for r in first[1])
 
 
 def mined_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
