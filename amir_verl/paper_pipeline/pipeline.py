@@ -38,7 +38,6 @@ Everything goes under ``--workdir`` (default ``amir_cpu_paper``): ``data/``, ``m
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import re
 import shutil
@@ -59,7 +58,7 @@ from amir_verl.cpu.launch import (
     stops_on_sigterm,
 )
 from amir_verl.cpu.progress import RunProgress
-from amir_verl.cpu.settings import cpu_settings, vllm_rollout_env, vllm_rollout_settings
+from amir_verl.cpu.settings import cpu_settings, vllm_installed, vllm_rollout_env, vllm_rollout_settings
 from amir_verl.paper_pipeline import EVAL_BENCHMARKS, MODEL_NAME, REPO, VARIANTS, experiment
 from amir_verl.paper_pipeline.data import write_raw_datasets
 from amir_verl.evaluation.passk import NOTHING_TO_MEASURE, NOTHING_TO_MEASURE_PREFIX
@@ -99,11 +98,6 @@ VLLM_INSTALL = 'pip install --no-deps -r locks/cpu-vllm-py311.txt -e .'  # the c
 # vLLM processes held about 4.4 GB against about 1.5 for the hf server), so a vllm pair trains one run after the
 # other, from the same adapter, seeds and data.
 RUNS_AT_ONCE = {"hf": 2, "vllm": 1}
-
-
-def vllm_installed() -> bool:
-    """Whether vLLM imports here (found, not imported: importing it takes seconds)."""
-    return importlib.util.find_spec("vllm") is not None
 
 
 def chosen_rollout(flag: str) -> str:

@@ -196,6 +196,7 @@ STALENESS = ["trainer.v1.sampler.max_off_policy_strategy=wait", "trainer.v1.samp
 # verl's default warm-up (one batch), stated: a step's prompts in flight beyond the step's, so held groups never
 # keep step 1 waiting
 WARMUP_BATCHES = 1
+VLLM_HIDDEN = 128  # make_assets' hidden size for vLLM runs: 4 heads of 32, vLLM's CPU attention's smallest head size
 # mode -> (prompts per local update, local updates per step)
 LAYOUT = {"colocate_async": (8, 1), "separate_async": (4, 2)}
 

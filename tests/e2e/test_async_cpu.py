@@ -3,8 +3,14 @@
 reproducible run to run: what is compared is each recorded batch against an independent recomputation, never
 two runs).
 
+The rollout engine is verl's own ``vllm`` rollout where vLLM's CPU build is installed (the ``cpu-vllm`` extra, CI's
+lock; the toy model then has hidden size 128, as vLLM's CPU attention needs a head size of at least 32), else the
+``hf`` server (:data:`ASYNC_ROLLOUT`): the same runs and checks on either. On vLLM the abort is inside vLLM
+(``pause_generation`` answers the held requests "aborted" with their tokens so far), and in ``separate_async``
+the standalone replica is a vLLM engine whose weights arrive through the checkpoint engine.
+
 Both runs (3 steps side by side, a checkpoint every step, verl's token-level importance weights on) cross
-weight syncs mid-response by construction, whatever the machine's pace: the hf server holds the first 4
+weight syncs mid-response by construction, whatever the machine's pace: the rollout holds the first 4
 requests it receives under the initial weights at their 2nd token (:data:`amir_verl.cpu.holds.HOLD_ENV`),
 so step 1 trains on other groups (verl's warm-up batch puts 16 prompts in flight for 8 a step), the weight sync
 after step 1 cuts the held responses (its abort answers them), and verl's ``FullyAsyncLLMServerClient`` resumes
@@ -12,8 +18,8 @@ them under the next weights. verl's dropless staleness control (``max_off_policy
 makes step 2 wait for every prompt submitted in step 1 and take those first, so step 2 trains on the held groups:
 each run has spliced trajectories, which are also stale.
 
-- ``amir_colocate_async``: the abort is ``on_sample_end``'s. The run stops after step 2 and is started again, so
-  its step 3 is a resumed one.
+- ``amir_colocate_async``: the abort is ``on_sample_end``'s. The run stops after step 2 and is started again
+  (without the hold), so its step 3 is a resumed one.
 - ``amir_separate_async``: a standalone rollout replica (its weights through the checkpoint engine
   ``cpu_object_store``) keeps generating while the trainer trains; 2 local updates of 4 prompts per step, the
   second with verl's pi_old restore; the abort is the weight sync's (``CheckpointEngineManager.update_weights``).
@@ -46,10 +52,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.support import LAYOUT, WARMUP_BATCHES, async_command, check_async_run, load_async_records
+from amir_verl.cpu.settings import vllm_installed
+from tests.e2e.support import (LAYOUT, VLLM_HIDDEN, WARMUP_BATCHES, async_command, check_async_run,
+                               load_async_records)
 
 STEPS = 3
 RESUMED_AFTER = 2  # the colocate_async run stops after this step and is started again
+# With vLLM installed the async runs test verl's vllm rollout, the engine GPU users run, and not also the hf
+# server: the same checks twice would cost CI two more launches (the hf pair took 196 s of a 37-minute run).
+ASYNC_ROLLOUT = "vllm" if vllm_installed() else "hf"
+ROLLOUT_SERVER = {"vllm": "vLLMHttpServer", "hf": "HFRolloutServer"}  # the Ray actor each engine's replicas run in
 
 
 def then_resumed(command, first_steps: int) -> Path:
@@ -60,24 +72,36 @@ def then_resumed(command, first_steps: int) -> Path:
 
     from amir_verl.cpu.launch import verl_metrics_path
 
+    from amir_verl.cpu.holds import HOLD_ENV
+
     first = [f"trainer.total_training_steps={first_steps}" if arg.startswith("trainer.total_training_steps=")
              else arg for arg in command.cmd]
     until_stopped = verl_metrics_path(command.log_path).with_suffix(".until_stopped.jsonl")
+    # the restarted run holds nothing: its first step trains on the groups the stopped one left, held ones included
+    # (vLLM's hold lasts until an engine's first abort, and the new engine's would come only after that step)
     command.cmd = ["sh", "-c", f"VERL_FILE_LOGGER_PATH={shlex.quote(str(until_stopped))} {shlex.join(first)} && "
-                               f"{shlex.join(command.cmd)}"]
+                               f"{HOLD_ENV}= {shlex.join(command.cmd)}"]
     return until_stopped
 
 
 @pytest.fixture(scope="module")
 def async_runs(assets, tmp_path_factory):
-    """Both runs side by side (colocate_async stopped after step 2 and resumed) -> {mode: (workdir, verl's
-    metrics by step, the probe's records)}; the records: {(step, local update): (the _compute_advantage record,
-    the actor update's metrics)}."""
+    """Both runs side by side on :data:`ASYNC_ROLLOUT` (colocate_async stopped after step 2 and resumed) ->
+    (the toy assets they trained on, {mode: (workdir, verl's metrics by step, the probe's records)}); the records:
+    {(step, local update): (the _compute_advantage record, the actor update's metrics)}."""
     from amir_verl.cpu.launch import read_verl_metrics
+    from amir_verl.cpu.settings import vllm_rollout_env, vllm_rollout_settings
+    from amir_verl.demo.toy_task import make_assets
     from tests.e2e.support import train_side_by_side
 
     root = tmp_path_factory.mktemp("async")
-    commands = {mode: async_command(assets, root / mode, mode, STEPS) for mode in LAYOUT}
+    if ASYNC_ROLLOUT == "vllm":
+        assets = make_assets(root / "toy", n_train=64, n_test=8, hidden=VLLM_HIDDEN)
+    engine = vllm_rollout_settings() if ASYNC_ROLLOUT == "vllm" else []
+    commands = {mode: async_command(assets, root / mode, mode, STEPS, engine) for mode in LAYOUT}
+    if ASYNC_ROLLOUT == "vllm":
+        for command in commands.values():
+            command.env.update(vllm_rollout_env())
     until_stopped = then_resumed(commands["colocate_async"], RESUMED_AFTER)
     metrics = train_side_by_side(commands)
     metrics["colocate_async"] = {**read_verl_metrics(until_stopped), **metrics["colocate_async"]}
@@ -86,13 +110,16 @@ def async_runs(assets, tmp_path_factory):
         assert sorted(metrics[mode]) == list(range(1, STEPS + 1)), mode
         records = load_async_records(root / mode, STEPS, local_updates)
         runs[mode] = (root / mode, metrics[mode], records)
-    return runs
+    return assets, runs
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("mode", list(LAYOUT))
-def test_amir_matches_brute_force_on_recorded_batches_that_crossed_weight_syncs(assets, async_runs, mode):
-    check_async_run(assets, *async_runs[mode], mode, STEPS)
+def test_amir_matches_brute_force_on_recorded_batches_that_crossed_weight_syncs(async_runs, mode):
+    assets, runs = async_runs
+    log = check_async_run(assets, *runs[mode], mode, STEPS)
+    servers = {engine: log.count(server) > 0 for engine, server in ROLLOUT_SERVER.items()}
+    assert servers == {engine: engine == ASYNC_ROLLOUT for engine in ROLLOUT_SERVER}, servers  # every replica
 
 
 @pytest.mark.e2e
@@ -104,7 +131,7 @@ def test_an_async_run_resumes_with_verls_restored_prompts_and_the_lambda_control
     import json
     import re
 
-    workdir, _, _ = async_runs["colocate_async"]
+    workdir, _, _ = async_runs[1]["colocate_async"]
     log = (workdir / "main_ppo.log").read_text()
     restored = re.search(r"Restored (\d+) training prompt groups from TransferQueue", log)
     prompts, local_updates = LAYOUT["colocate_async"]

