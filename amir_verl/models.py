@@ -17,6 +17,7 @@ so bos / eos / pad / unk are taken from the GGUF metadata and written alike into
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import importlib.util
 import json
@@ -77,11 +78,18 @@ def smollm2_gguf() -> Path:
     return cached
 
 
-def gguf_special_tokens(path: Path) -> dict[str, str]:
-    """{'bos'|'eos'|'pad'|'unk': token text} from a GGUF file's tokenizer metadata (the ones it declares)."""
+@functools.lru_cache(maxsize=2)
+def gguf_reader(path: Path):
+    """``gguf.GGUFReader`` of ``path``, one per file and process: reading SmolLM2's file parses its 49k-token
+    vocabulary in Python, about 3 s a time."""
     from gguf import GGUFReader
 
-    fields = GGUFReader(path).fields
+    return GGUFReader(path)
+
+
+def gguf_special_tokens(path: Path) -> dict[str, str]:
+    """{'bos'|'eos'|'pad'|'unk': token text} from a GGUF file's tokenizer metadata (the ones it declares)."""
+    fields = gguf_reader(path).fields
     tokens = fields["tokenizer.ggml.tokens"].contents()
     found = {}
     for name, key in GGUF_TOKEN_KEYS.items():
@@ -93,9 +101,7 @@ def gguf_special_tokens(path: Path) -> dict[str, str]:
 
 
 def gguf_chat_template(path: Path) -> str | None:
-    from gguf import GGUFReader
-
-    field = GGUFReader(path).fields.get("tokenizer.chat_template")
+    field = gguf_reader(path).fields.get("tokenizer.chat_template")
     return field.contents() if field is not None else None
 
 

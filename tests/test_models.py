@@ -12,11 +12,10 @@ import jinja2
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.numpy import load_file
 
-from amir_verl.models import ModelPrepError, check_special_tokens, gguf_special_tokens, smollm2_gguf
+from amir_verl.models import ModelPrepError, check_special_tokens, gguf_reader, gguf_special_tokens, smollm2_gguf
 
 # GGUF tensor name (blk.N.<name>) -> HF parameter name (model.layers.N.<name>)
 LAYER_NAMES = {
@@ -43,7 +42,7 @@ def undo_rope_permutation(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def test_every_weight_equals_the_gguf_packages_dequantisation(smollm2):
-    reader = GGUFReader(smollm2_gguf())
+    reader = gguf_reader(smollm2_gguf())
     heads = int(reader.fields["llama.attention.head_count"].contents())
     kv_heads = int(reader.fields["llama.attention.head_count_kv"].contents())
     weights = load_file(str(smollm2 / "model.safetensors"))
@@ -84,7 +83,7 @@ def test_a_folder_whose_tokens_disagree_is_refused_naming_the_file(smollm2, tmp_
 def test_the_chat_template_renders_as_the_ggufs_own(smollm2):
     from transformers import AutoTokenizer
 
-    template = GGUFReader(smollm2_gguf()).fields["tokenizer.chat_template"].contents()
+    template = gguf_reader(smollm2_gguf()).fields["tokenizer.chat_template"].contents()
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     for messages in ([{"role": "user", "content": "What is 2 + 3?"}],
                      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
