@@ -20,6 +20,7 @@ from amir_verl.cpu.launch import (
     read_verl_metrics,
     run_logged,
     run_logged_together,
+    stop_all,
     stops_on_sigterm,
     verl_metrics_path,
 )
@@ -111,6 +112,35 @@ def test_sigterm_stops_every_command_as_ctrl_c_does():
     out, err = proc.communicate(timeout=30)
     assert out.strip() == "interrupted" and "Traceback" not in err and proc.returncode == 0
     assert all(_gone(child) for child in children)
+
+
+def test_a_second_interrupt_landing_before_the_signals_are_ignored_does_not_cut_the_stopping_short(monkeypatch):
+    """The window the test above cannot aim at: a second Ctrl-C (or SIGTERM) whose KeyboardInterrupt comes while
+    the clean-up is only starting, before SIGINT and SIGTERM are ignored (here: at its first signal.signal call).
+    The children are stopped all the same, and the handlers are what they were before."""
+    from amir_verl.cpu import launch
+
+    children = {name: launch._Child(LoggedCommand([PY, "-c", "import time; time.sleep(120)"])) for name in "ab"}
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    real_signal, calls = signal.signal, []
+
+    def interrupted_at_the_first_call(sig, handler):
+        calls.append(sig)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # what the second signal's handler raises there
+        return real_signal(sig, handler)
+
+    monkeypatch.setattr(launch.signal, "signal", interrupted_at_the_first_call)
+    try:
+        stop_all(children)
+    finally:
+        for child in children.values():
+            if child.proc.poll() is None:
+                child.proc.kill()
+    assert len(calls) > 1
+    assert all(child.proc.wait(timeout=10) is not None for child in children.values())
+    assert all(_gone(child.proc.pid) for child in children.values())
+    assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
 def test_the_programs_that_launch_main_ppo_stop_on_sigterm():

@@ -141,7 +141,7 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = GRACE_S) -> None
 
 
 @contextlib.contextmanager
-def _signals_handled_as(handler, signals=(signal.SIGINT, signal.SIGTERM)):
+def _signals_handled_as(handler, signals):
     """``signals`` go to ``handler`` inside the block, where this thread may set them (Python's main thread)."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -257,11 +257,32 @@ def run_logged_together(commands: dict[str, LoggedCommand], timeout: float | Non
                 raise TimeoutError(f"{running} ran over {timeout:.0f} s and was stopped")  # stopped below
             time.sleep(POLL_S)
     except BaseException:  # Ctrl-C above all: a second one (or a SIGTERM) must not cut the stopping short
-        with _signals_handled_as(signal.SIG_IGN):
-            for child in children.values():
-                stop_process_group(child.proc)
+        stop_all(children)
         raise
     return results
+
+
+def stop_all(children: dict[str, _Child]) -> None:
+    """Stop every child's process group with SIGINT and SIGTERM ignored meanwhile (restored after), so that a
+    second Ctrl-C or a scheduler's second SIGTERM cannot cut the stopping short, even one that lands before they
+    are ignored: its KeyboardInterrupt starts the stopping again (seen once, under load: a launcher that printed
+    'interrupted' and left both of its children running)."""
+    stopping = (signal.SIGINT, signal.SIGTERM)
+    main_thread = threading.current_thread() is threading.main_thread()  # only it sets signals, only it gets them
+    previous = None
+    while True:
+        try:
+            if main_thread:
+                previous = previous or {sig: signal.getsignal(sig) for sig in stopping}
+                for sig in stopping:
+                    signal.signal(sig, signal.SIG_IGN)
+            for child in children.values():
+                stop_process_group(child.proc)
+            break
+        except KeyboardInterrupt:
+            continue
+    for sig, handler in (previous or {}).items():
+        signal.signal(sig, handler)
 
 
 def run_logged(cmd: list[str], env: dict[str, str] | None = None, log_path: Path | None = None,
