@@ -120,3 +120,30 @@ def test_a_local_hf_folder_is_copied_with_its_special_tokens_agreeing(tmp_path):
     ids = check_special_tokens(tmp_path / "out")
     assert ids["eos"] is not None and ids["pad"] is not None
     assert main([source, "--out", str(tmp_path / "out")]) == 1  # an existing folder is never overwritten
+
+
+def test_transformers_gguf_loading_reuses_the_one_reader_of_the_file(monkeypatch):
+    """transformers' ``load_gguf_checkpoint`` (which model prep's tokenizer, config, model and generation-config
+    loads each call) builds a ``GGUFReader`` per call; under ``transformers_reads_gguf_once`` it takes the one
+    :func:`gguf_reader` holds. Fails if transformers stops finding the class on the ``gguf`` package."""
+    import gguf.gguf_reader
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from amir_verl.models import transformers_reads_gguf_once
+
+    path = smollm2_gguf()
+    shared = gguf_reader(path)
+    built = []
+    real_init = gguf.gguf_reader.GGUFReader.__init__
+    monkeypatch.setattr(gguf.gguf_reader.GGUFReader, "__init__",
+                        lambda self, *args, **kwargs: built.append(args) or real_init(self, *args, **kwargs))
+    with transformers_reads_gguf_once():
+        inside = [load_gguf_checkpoint(str(path))["config"] for _ in range(2)]
+        assert gguf_reader(str(path)) is shared  # one per file, whichever way the path is spelled
+    assert built == []
+    outside = load_gguf_checkpoint(str(path))["config"]  # the control: a reader of its own
+    assert len(built) == 1
+    assert inside == [outside, outside]
+    import gguf as gguf_package
+
+    assert gguf_package.GGUFReader is gguf.gguf_reader.GGUFReader  # put back
