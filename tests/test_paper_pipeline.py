@@ -282,6 +282,38 @@ def test_a_vllm_run_gets_the_engines_overrides_after_the_cpu_settings_and_its_en
     assert all(hf.env.get(k) == os.environ.get(k) for k in vllm_rollout_env())  # the hf run's: only what it inherits
 
 
+# cores -> {rollout: threads per run}: an hf pair trains side by side, a vllm pair one run at a time
+THREADS = {1: {"hf": "1", "vllm": "1"}, 2: {"hf": "1", "vllm": "2"}, 3: {"hf": "1", "vllm": "3"},
+           8: {"hf": "4", "vllm": "8"}}
+
+
+@pytest.mark.parametrize("cores", list(THREADS))
+def test_each_run_gets_the_cores_shared_among_the_runs_training_at_once_unless_the_user_set_threads(
+        tmp_path, monkeypatch, cores):
+    from amir_verl.paper_pipeline.pipeline import run_command
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+    def threads(rollout: str) -> str:
+        command = run_command("grpo", tmp_path, tmp_path, tmp_path, SIZES["test"], [], tmp_path / "log", rollout)
+        return command.env["OMP_NUM_THREADS"]
+
+    assert {rollout: threads(rollout) for rollout in ROLLOUTS} == THREADS[cores]
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert {threads(rollout) for rollout in ROLLOUTS} == {"5"}
+
+
+def test_ray_leaves_a_set_omp_num_threads_to_its_workers(monkeypatch):
+    """What the pipeline's threads rely on: Ray sets OMP_NUM_THREADS in a worker (to its CPUs, 1 for an actor
+    without num_cpus) only where the environment has not (ray._private.utils.set_omp_num_threads_if_unset, which
+    returns whether it set it)."""
+    from ray._private.utils import set_omp_num_threads_if_unset
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert set_omp_num_threads_if_unset() is False and os.environ["OMP_NUM_THREADS"] == "3"
+
+
 def test_the_summary_names_each_runs_rollout_engine_from_its_composed_config(tmp_path):
     from amir_verl.paper_pipeline import experiment
     from amir_verl.paper_pipeline.report import ROLLOUT_ENGINES, rollout_engines

@@ -100,6 +100,16 @@ VLLM_INSTALL = 'pip install --no-deps -r locks/cpu-vllm-py311.txt -e .'  # the c
 RUNS_AT_ONCE = {"hf": 2, "vllm": 1}
 
 
+def threads_per_run(rollout: str) -> int:
+    """``OMP_NUM_THREADS`` of each run's processes: the cores this process may use, shared among the runs that
+    train at once. Ray gives a worker one thread unless the environment sets it
+    (``ray._private.utils.set_omp_num_threads_if_unset``), which leaves cores idle where fewer runs than cores
+    train: a vllm pair's runs one at a time on 2 cores, or a pair on a larger machine. (SmolLM2 on the hf server
+    alone, 2026-12-04, 2 cores: a step 49-55 s with 2 threads against 72-78 s with one; the actor's passes
+    1.5-1.7x faster, the hf server's generation, which keeps one thread, the same.)"""
+    return max(1, len(os.sched_getaffinity(0)) // RUNS_AT_ONCE[rollout])
+
+
 def chosen_rollout(flag: str) -> str:
     """The engine ``--rollout`` names; for ``auto``, verl's ``vllm`` rollout where vLLM's CPU build is installed,
     else the ``hf`` server."""
@@ -238,12 +248,13 @@ def comparison_overrides(variant: str, pair: tuple[str, str], adapter: Path) -> 
 def run_command(variant: str, model: Path, data: Path, outputs: Path, size: Size, extra: list[str],
                 log_path: Path, rollout: str = "hf") -> LoggedCommand:
     """``recipes/paper/run.sh smollm2-135m <variant>`` with the CPU overrides and the ``rollout`` engine's, on the
-    CPU backend, verl's output to ``log_path`` and its metrics beside it
+    CPU backend, with :func:`threads_per_run` threads, verl's output to ``log_path`` and its metrics beside it
     (:func:`amir_verl.cpu.launch.verl_metrics_path`)."""
     engine_overrides, engine_env = rollout_settings(rollout)
     env = dict(main_ppo_env(log_path), MODEL_PATH=str(model), NGPUS="1", NNODES="1", AMIR_DATA=str(data),
                AMIR_OUTPUT=str(outputs), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                **engine_env)
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_run(rollout)))  # the user's own setting wins
     cmd = ["bash", str(RUN_SH), MODEL_NAME, variant, *CPU_OVERRIDES, *engine_overrides, *size.overrides(), *extra]
     return LoggedCommand(cmd, env, log_path)
 
@@ -269,7 +280,7 @@ def train(work: Path, pairs: list[tuple[str, str]], model: Path, adapter: Path, 
         command.on_line = progress[variant]
         (run_dir / "command.txt").write_text(" ".join(f"{k}={v}" for k, v in command.env.items()
                                                       if k in ("MODEL_PATH", "NGPUS", "AMIR_DATA", "AMIR_OUTPUT",
-                                                               *rollout_settings(rollout)[1]))
+                                                               "OMP_NUM_THREADS", *rollout_settings(rollout)[1]))
                                              + " \\\n    " + " \\\n    ".join(command.cmd) + "\n")
         log(f"{variant}: recipes/paper/run.sh {MODEL_NAME} {variant}; verl's output: {command.log_path}")
     try:
@@ -375,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         data = prepare_data(work, size, args.seed)
         model = prepare_model(work, size, args.seed)
         adapter = initial_adapter(work, model, args.seed)
-        log(f"rollout engine: {ROLLOUT_ENGINES[rollout]} (--rollout {args.rollout})")
+        log(f"rollout engine: {ROLLOUT_ENGINES[rollout]} (--rollout {args.rollout}); "
+            f"{os.environ.get('OMP_NUM_THREADS') or threads_per_run(rollout)} thread(s) per run")
         metrics = train(work, pairs, model, adapter, data, size, args.overrides, args.amir_override, rollout)
         merged = merge(work, variants, size)
         outputs = evaluate(work, pairs, merged, model)
