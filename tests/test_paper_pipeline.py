@@ -287,12 +287,18 @@ THREADS = {1: {"hf": "1", "vllm": "1"}, 2: {"hf": "1", "vllm": "2"}, 3: {"hf": "
            8: {"hf": "4", "vllm": "8"}}
 
 
+@pytest.mark.parametrize("affinity", [True, False], ids=["linux", "no-affinity-call"])
 @pytest.mark.parametrize("cores", list(THREADS))
 def test_each_run_gets_the_cores_shared_among_the_runs_training_at_once_unless_the_user_set_threads(
-        tmp_path, monkeypatch, cores):
+        tmp_path, monkeypatch, cores, affinity):
     from amir_verl.paper_pipeline.pipeline import run_command
 
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    if affinity:  # the cores this process may use
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+        monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    else:  # macOS has no sched_getaffinity: the machine's cores
+        monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+        monkeypatch.setattr(os, "cpu_count", lambda: cores)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
 
     def threads(rollout: str) -> str:
