@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from amir_verl.reward import compute_score
-from amir_verl.reward.bounded import pool_size
+from amir_verl.reward.bounded import available_cores, pool_size
 
 # a tower sympy evaluates for longer than any budget (((9!)!)! gives up after about 2 s: not a full budget)
 PATHOLOGICAL = "<think> x </think> <answer> 9^{9^{9^{9}}} </answer> <confidence> 0.5 </confidence>"
@@ -67,7 +67,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5, help="alternating 1- and 2-thread repetitions")
     p.add_argument("--budget", type=float, default=5.0, help="math_timeout_s of the pathological response")
     args = p.parse_args()
-    print(f"cores {len(os.sched_getaffinity(0))}, helpers {pool_size()}, load {os.getloadavg()[0]:.1f}")
+    print(f"cores {available_cores()}, helpers {pool_size()}, load {os.getloadavg()[0]:.1f}")
     grade_all(responses("math", 2 * pool_size()), pool_size())  # start every helper once
 
     for kind in ("gsm8k", "math", "aqua_rat"):

@@ -63,6 +63,7 @@ from amir_verl.paper_pipeline import EVAL_BENCHMARKS, MODEL_NAME, REPO, VARIANTS
 from amir_verl.paper_pipeline.data import write_raw_datasets
 from amir_verl.evaluation.passk import NOTHING_TO_MEASURE, NOTHING_TO_MEASURE_PREFIX
 from amir_verl.paper_pipeline.report import FIGURE_DEFINITIONS, ROLLOUT_ENGINES, Evaluated, pair_figures, summary
+from amir_verl.reward.bounded import available_cores
 from amir_verl.run_figures import write_summary
 
 RUN_SH = REPO / "recipes" / "paper" / "run.sh"
@@ -107,9 +108,7 @@ def threads_per_run(rollout: str) -> int:
     train: a vllm pair's runs one at a time on 2 cores, or a pair on a larger machine. (SmolLM2 on the hf server
     alone, 2026-12-04, 2 cores: a step 49-55 s with 2 threads against 72-78 s with one; the actor's passes
     1.5-1.7x faster, the hf server's generation, which keeps one thread, the same.)"""
-    # the cores this process may use; macOS has no sched_getaffinity: the machine's
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // RUNS_AT_ONCE[rollout])
+    return max(1, available_cores() // RUNS_AT_ONCE[rollout])
 
 
 def chosen_rollout(flag: str) -> str:

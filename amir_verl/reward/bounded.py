@@ -55,6 +55,7 @@ class GraderUnavailable(RuntimeError):
 
 
 def available_cores() -> int:
+    """The cores this process may use (macOS has no ``sched_getaffinity``: the machine's)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
