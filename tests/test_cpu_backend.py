@@ -15,7 +15,6 @@ from verl.utils import distributed, fsdp_utils
 from verl.workers import engine_workers
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
-from verl.workers.config import RolloutConfig
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.llm_server import LLMServerClient, LLMServerManager
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
@@ -126,41 +125,20 @@ def test_switch_on_leaves_the_patched_modules_to_verl_to_import(switch_probes):
     assert switch_probes["lazy"].stdout_lines()[-1] == "[]"
 
 
-def toy_model_config(assets):
-    from omegaconf import OmegaConf
-
-    from verl.utils.config import omega_conf_to_dataclass
-    from verl.workers.config import HFModelConfig
-
-    return omega_conf_to_dataclass(OmegaConf.create({"_target_": "verl.workers.config.HFModelConfig",
-                                                     "path": assets["model"]}), HFModelConfig)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     assets = make_assets(tmp_path_factory.mktemp("toy"), n_train=4, n_test=2)
+    from omegaconf import OmegaConf
+
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import HFModelConfig, RolloutConfig
+
     config = RolloutConfig(name="hf", prompt_length=32, response_length=5, seed=3)
-    srv = HFRolloutServer(config, toy_model_config(assets), replica_rank=0)
+    model_config = omega_conf_to_dataclass(OmegaConf.create({"_target_": "verl.workers.config.HFModelConfig",
+                                                             "path": assets["model"]}), HFModelConfig)
+    srv = HFRolloutServer(config, model_config, replica_rank=0)
     srv.set_global_steps(0)
     return srv, assets
-
-
-@pytest.mark.parametrize("omp", [None, "2"])
-def test_the_server_generates_with_the_threads_the_runs_workers_get(server, monkeypatch, omp):
-    """OMP_NUM_THREADS (Ray's 1 per worker unless the environment sets it; the paper pipeline's threads_per_run),
-    1 where it is unset (outside Ray)."""
-    _, assets = server
-    before = torch.get_num_threads()
-    if omp is None:
-        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    else:
-        monkeypatch.setenv("OMP_NUM_THREADS", omp)
-    try:
-        HFRolloutServer(RolloutConfig(name="hf", prompt_length=32, response_length=5, seed=3),
-                        toy_model_config(assets), replica_rank=0)
-        assert torch.get_num_threads() == int(omp or 1)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_server_returns_verl_token_output_with_the_actor_log_probs(server):

@@ -68,9 +68,7 @@ class HFRolloutServer:
     def __init__(self, config, model_config, replica_rank: int):
         from transformers import AutoModelForCausalLM
 
-        # as many threads as the run's other workers: OMP_NUM_THREADS, which Ray sets to 1 in a worker unless the
-        # environment sets it (the paper pipeline gives a run the cores it does not share); 1 outside Ray
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        torch.set_num_threads(1)  # the actor workers use the cores; generation batches are tiny
         self.config = config
         self.replica_rank = replica_rank
         path = getattr(model_config, "local_path", None) or model_config.path
