@@ -101,14 +101,14 @@ VLLM_INSTALL = 'pip install --no-deps -r locks/cpu-vllm-py311.txt -e .'  # the c
 RUNS_AT_ONCE = {"hf": 2, "vllm": 1}
 
 
-def threads_per_run(rollout: str) -> int:
-    """``OMP_NUM_THREADS`` of each run's processes: the cores this process may use, shared among the runs that
-    train at once. Ray gives a worker one thread unless the environment sets it
+def threads_per_run(rollout: str) -> str:
+    """``OMP_NUM_THREADS`` of each run's processes: the environment's where it sets one, else the cores this
+    process may use, shared among the runs that train at once. Ray gives a worker one thread unless the environment sets it
     (``ray._private.utils.set_omp_num_threads_if_unset``), which leaves cores idle where fewer runs than cores
     train: a vllm pair's runs one at a time on 2 cores, or a pair on a larger machine. (SmolLM2 on the hf server
     alone, 2026-12-04, 2 cores: a step 49-55 s with 2 threads against 72-78 s with one; the actor's passes
     1.5-1.7x faster, the hf server's generation, which keeps one thread, the same.)"""
-    return max(1, available_cores() // RUNS_AT_ONCE[rollout])
+    return os.environ.get("OMP_NUM_THREADS") or str(max(1, available_cores() // RUNS_AT_ONCE[rollout]))
 
 
 def chosen_rollout(flag: str) -> str:
@@ -255,7 +255,7 @@ def run_command(variant: str, model: Path, data: Path, outputs: Path, size: Size
     env = dict(main_ppo_env(log_path), MODEL_PATH=str(model), NGPUS="1", NNODES="1", AMIR_DATA=str(data),
                AMIR_OUTPUT=str(outputs), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                **engine_env)
-    env.setdefault("OMP_NUM_THREADS", str(threads_per_run(rollout)))  # the user's own setting wins
+    env["OMP_NUM_THREADS"] = threads_per_run(rollout)
     cmd = ["bash", str(RUN_SH), MODEL_NAME, variant, *CPU_OVERRIDES, *engine_overrides, *size.overrides(), *extra]
     return LoggedCommand(cmd, env, log_path)
 
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         model = prepare_model(work, size, args.seed)
         adapter = initial_adapter(work, model, args.seed)
         log(f"rollout engine: {ROLLOUT_ENGINES[rollout]} (--rollout {args.rollout}); "
-            f"{os.environ.get('OMP_NUM_THREADS') or threads_per_run(rollout)} thread(s) per run")
+            f"{threads_per_run(rollout)} thread(s) per run")
         metrics = train(work, pairs, model, adapter, data, size, args.overrides, args.amir_override, rollout)
         merged = merge(work, variants, size)
         outputs = evaluate(work, pairs, merged, model)
