@@ -19,6 +19,7 @@ import verl
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.workers.utils.losses import ppo_loss
 
+from amir_verl.paper_pipeline.pipeline import chosen_rollout
 from amir_verl.testing import (
     actor_tensordict,
     assign_engine_batch_info,
@@ -33,12 +34,10 @@ RECIPES = REPO / "recipes"
 README = REPO / "README.md"
 
 
-# The suite's pipeline run rolls out on the hf server unless AMIR_VERL_TEST_PIPELINE_ROLLOUT says otherwise
-# (vllm: what `--rollout auto` picks where vLLM's CPU build is installed). On vLLM a pair trains one run after the
-# other (pipeline.RUNS_AT_ONCE: side by side they ran 24 GB out of memory), which would make the pipeline the
-# suite's longest stage several times over; verl's vllm rollout is tested on the toy task in every schedule
-# (tests/e2e/test_vllm_rollout_cpu.py), and the pipeline's tests pass on it (README, The CPU backend).
-PIPELINE_ROLLOUT = os.environ.get("AMIR_VERL_TEST_PIPELINE_ROLLOUT", "hf")
+# The suite's pipeline run rolls out on the engine the pipeline's `--rollout auto` picks, verl's own vllm rollout
+# where vLLM's CPU build is installed (CI's lock) and the hf server elsewhere, unless
+# AMIR_VERL_TEST_PIPELINE_ROLLOUT names one.
+PIPELINE_ROLLOUT = os.environ.get("AMIR_VERL_TEST_PIPELINE_ROLLOUT") or chosen_rollout("auto")
 
 
 def readme_commands() -> list[str]:
