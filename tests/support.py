@@ -40,6 +40,24 @@ README = REPO / "README.md"
 PIPELINE_ROLLOUT = os.environ.get("AMIR_VERL_TEST_PIPELINE_ROLLOUT") or chosen_rollout("auto")
 
 
+def start_local_ray(num_cpus: int) -> None:
+    """``ray.init`` of a Ray of this process's own (``address="local"``: not one running beside), without the dashboard
+    or the workers' output. Tried twice: Ray 2.60's raylet aborts when its dashboard agent has not written its port
+    files within a fixed 15 s, and ``ray.init`` then fails 30 s later ("The current node timed out during startup";
+    seen once in a whole-suite run, the raylet's log saying "Timed out waiting for file .../metrics_agent_port_...",
+    while the paper pipeline beside the unit tests started its vLLM engine). What failed to start is reaped when
+    this process exits (Ray's reaper)."""
+    import ray
+
+    try:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, address="local")
+    except Exception as error:
+        if "timed out during startup" not in str(error):
+            raise
+        ray.shutdown()
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, address="local")
+
+
 def readme_commands() -> list[str]:
     """The command lines of the README's first code block (its two commands: demo, tests)."""
     block = re.search(r"```bash\n(.*?)```", README.read_text(), re.S)[1]

@@ -11,11 +11,12 @@ import ray
 import torch
 
 from amir_verl.cpu.checkpoint_engine import BACKEND_NAME, ObjectStoreCheckpointEngine, bucketed
+from tests.support import start_local_ray
 
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, address="local")
+    start_local_ray(num_cpus=4)
     yield
     ray.shutdown()
 

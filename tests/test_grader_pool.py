@@ -15,6 +15,7 @@ import pytest
 from amir_verl.reward import compute_score
 from amir_verl.reward.answers import is_correct
 from amir_verl.reward.bounded import pool_size, run_bounded
+from tests.support import start_local_ray
 
 SLOW_ANSWER = "9^{9^{9^{9}}}"  # sympy works on it longer than any budget here (((9!)!)! gives up after ~2 s)
 RESPONSE = "<think> x </think> <answer> {} </answer> <confidence> 0.9 </confidence>"
@@ -197,7 +198,7 @@ def test_a_ray_actor():
     """verl's reward workers are Ray actors."""
     import ray
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, address="local")  # not a Ray running beside
+    start_local_ray(num_cpus=1)
     try:
         @ray.remote
         class Grader:

@@ -213,6 +213,28 @@ def test_the_timeout_names_the_commands_still_running_and_stops_them():
     assert _gone(int(pids[0]))
 
 
+def test_an_on_line_callback_that_raises_stops_the_run_with_its_error_at_once():
+    """Seen in a test's callback (a process that ended while it was being inspected): the reading thread died with
+    the callback's error, nothing read the pipe any more, and main_ppo blocked on a full pipe until the timeout.
+    The child here writes 1 MB (a pipe holds 64 KB), then waits; the callback fails at its second line. (Before the
+    fix: TimeoutError after 60 s.)"""
+    code = ("import os, time; print(os.getpid(), flush=True); [print('y' * 1023, flush=True) for _ in range(1024)]; "
+            "time.sleep(120)")
+    seen = []
+
+    def inspect(line: str) -> None:
+        seen.append(line)
+        if len(seen) == 2:
+            raise psutil.NoSuchProcess(12345)
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^child: its on_line callback raised psutil.NoSuchProcess") as failed:
+        run_logged_together({"child": LoggedCommand([PY, "-c", code], on_line=inspect)}, timeout=60)
+    assert time.monotonic() - start < 30
+    assert isinstance(failed.value.__cause__, psutil.NoSuchProcess) and len(seen) == 2
+    assert _gone(int(seen[0]))
+
+
 def test_a_run_that_goes_on_after_its_vllm_engine_died_is_stopped_as_a_failure(monkeypatch):
     """verl 0.9.1 does not stop when its vLLM engine core dies mid-run (seen: the engine core killed at step 1,
     then no output and no exit). The child prints what vLLM's front end then logs and keeps running: the launcher

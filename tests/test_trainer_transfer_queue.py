@@ -26,7 +26,7 @@ from amir_verl.step_batch import (
     FIELD_REF_SEQ_LOGP,
 )
 from amir_verl.trainer import AmirPPOTrainer
-from tests.support import GRPO, compose_verl
+from tests.support import GRPO, compose_verl, start_local_ray
 from tests.support import brute_force_gradient
 from amir_verl.testing import (
     Layout,
@@ -53,7 +53,7 @@ FIXED_LAMBDA = 0.5
 
 @pytest.fixture(scope="module")
 def transfer_queue():
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, address="local")  # not a Ray running beside
+    start_local_ray(num_cpus=8)
     config = compose_verl(GRPO)
     tq_conf = config.transfer_queue
     tq_conf.backend.SimpleStorage.num_data_storage_units = 1

@@ -189,6 +189,7 @@ class _Child:
     def __init__(self, command: LoggedCommand):
         self.command, self.lines = command, []
         self.fatal_at: float | None = None
+        self.on_line_error: Exception | None = None  # what ``on_line`` raised; it is not called again
         log = open(command.log_path, "w", buffering=1) if command.log_path is not None else None
         self.proc = subprocess.Popen(command.cmd, env=command.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
@@ -201,8 +202,11 @@ class _Child:
                         self.fatal_at = time.monotonic()
                     if log is not None:
                         log.write(line)
-                    if command.on_line is not None:
-                        command.on_line(line)
+                    if command.on_line is not None and self.on_line_error is None:
+                        try:
+                            command.on_line(line)
+                        except Exception as error:  # the reading goes on: a child writing into a pipe nobody
+                            self.on_line_error = error  # reads blocks for ever (seen: a run hung at step 1)
             finally:  # here, not in the caller: a process still holding the pipe may write after a join times out
                 if log is not None:
                     log.close()
@@ -236,6 +240,8 @@ def run_logged_together(commands: dict[str, LoggedCommand], timeout: float | Non
     signal's, negative). So does one still running :data:`FATAL_GRACE_S` after printing :data:`FATAL_OUTPUT`,
     which is stopped first (its status: the stopping signal's). ``timeout`` (seconds, wall clock, for all of
     them) holds whether or not they print anything: on it, ``TimeoutError`` naming the commands still running.
+    A command's ``on_line`` that raises stops them all too: ``RuntimeError`` naming the command, from the callback's
+    error (its output is still read to the end meanwhile, so the child never blocks on a full pipe).
     On the timeout, on ``KeyboardInterrupt`` and on any other exception every process group is stopped before
     the exception propagates."""
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -246,6 +252,9 @@ def run_logged_together(commands: dict[str, LoggedCommand], timeout: float | Non
             children[name] = _Child(command)
         while len(results) < len(children):
             for name, child in children.items():
+                if child.on_line_error is not None:  # the caller's callback failed: its error, every group stopped
+                    raise RuntimeError(f"{name}: its on_line callback raised {child.on_line_error!r}") \
+                        from child.on_line_error
                 if name not in results and child.ended():
                     results[name] = child.finish()
                     if results[name][0] != 0:

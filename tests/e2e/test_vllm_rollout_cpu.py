@@ -163,9 +163,26 @@ ENGINE_FAILURE_TIMEOUT_S = 300
 
 
 def engine_cores_of(run_dir: Path) -> list[psutil.Process]:
-    """vLLM's engine core processes of the main_ppo whose command line names ``run_dir`` (its Ray runs under it)."""
-    runs = [p for p in psutil.Process(os.getpid()).children() if str(run_dir) in " ".join(p.cmdline())]
-    return [p for run in runs for p in run.children(recursive=True) if p.name() == "VLLM::EngineCore"]
+    """vLLM's engine core processes of the main_ppo whose command line names ``run_dir`` (its Ray runs under it).
+    A process that ends while it is being read is passed over (seen: the failing run beside it, a zombie then)."""
+    def where(processes: list[psutil.Process], test) -> list[psutil.Process]:
+        found = []
+        for process in processes:
+            try:
+                if test(process):
+                    found.append(process)
+            except psutil.Error:
+                pass
+        return found
+
+    def descendants(process: psutil.Process) -> list[psutil.Process]:
+        try:
+            return process.children(recursive=True)
+        except psutil.Error:
+            return []
+
+    runs = where(psutil.Process(os.getpid()).children(), lambda p: str(run_dir) in " ".join(p.cmdline()))
+    return [p for run in runs for p in where(descendants(run), lambda p: p.name() == "VLLM::EngineCore")]
 
 
 @pytest.fixture(scope="module")
