@@ -18,8 +18,8 @@ def pytest_collection_modifyitems(config, items):
     """The tests without the e2e mark first, then the paper pipeline's, then the other end-to-end tests (each
     group in its file order). The pipeline run those tests read starts as the session starts
     (:func:`paper_pipeline_run`) and trains beside the tests without the mark, which keep about one of 2 cores
-    busy; it finishes before the toy runs start, whose memory it would share (the pipeline's two SmolLM2 runs
-    hold about 14 GB)."""
+    busy; it finishes before the toy runs start, whose memory it would share (alone, the pipeline held
+    about 13 GB on vLLM, one run and its engine at a time, and 16 GB on the hf server, its two runs side by side)."""
     def group(item) -> int:
         return 0 if item.get_closest_marker("e2e") is None else 1 if item.nodeid.startswith(PAPER_E2E) else 2
 
