@@ -11,17 +11,19 @@ import pytest
 from tests.support import PIPELINE_ROLLOUT
 
 REPO = Path(__file__).resolve().parents[1]
+E2E_DIR = "tests/e2e/"  # the modules that launch main_ppo
 PAPER_E2E = "tests/e2e/test_paper_pipeline_cpu.py"  # its tests read the one pipeline run started below
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests without the e2e mark first, then the paper pipeline's, then the other end-to-end tests (each
-    group in its file order). The pipeline run those tests read starts as the session starts
-    (:func:`paper_pipeline_run`) and trains beside the tests without the mark, which keep about one of 2 cores
-    busy; it finishes before the toy runs start, whose memory it would share (alone, the pipeline held
-    about 13 GB on vLLM, one run and its engine at a time, and 16 GB on the hf server, its two runs side by side)."""
+    """The tests outside ``tests/e2e`` first (the unit tests, and the one e2e-marked test there, which starts a
+    vLLM engine but no ``main_ppo``), then the paper pipeline's, then the other end-to-end tests (each group in its
+    file order). The pipeline run those tests read starts as the session starts (:func:`paper_pipeline_run`) and
+    trains beside the first group, which keeps about one of 2 cores busy; it finishes before the toy runs start,
+    whose memory it would share (alone, the pipeline held about 13 GB on vLLM, one run and its engine at a time,
+    and 16 GB on the hf server, its two runs side by side)."""
     def group(item) -> int:
-        return 0 if item.get_closest_marker("e2e") is None else 1 if item.nodeid.startswith(PAPER_E2E) else 2
+        return 0 if not item.nodeid.startswith(E2E_DIR) else 1 if item.nodeid.startswith(PAPER_E2E) else 2
 
     items.sort(key=group)  # stable: each group keeps its order
 

@@ -15,15 +15,11 @@ import pytest
 from amir_verl.reward import compute_score
 from amir_verl.reward.answers import is_correct
 from amir_verl.reward.bounded import pool_size, run_bounded
+from tests.pool_calls import sleep_then_pid
 from tests.support import start_local_ray
 
 SLOW_ANSWER = "9^{9^{9^{9}}}"  # sympy works on it longer than any budget here (((9!)!)! gives up after ~2 s)
 RESPONSE = "<think> x </think> <answer> {} </answer> <confidence> 0.9 </confidence>"
-
-
-def sleep_then_pid(seconds: float) -> int:
-    time.sleep(seconds)
-    return os.getpid()
 
 
 def helper_pids() -> set[int]:

@@ -19,7 +19,7 @@ import pytest
 from amir_verl.cpu import SWITCH
 from amir_verl.cpu.holds import HOLD_ENV
 from amir_verl.cpu.settings import vllm_installed
-from tests.support import REPO
+from tests.support import REPO, FreshPython
 
 pytestmark = pytest.mark.skipif(not vllm_installed(),
                                 reason="vLLM's CPU build is the cpu-vllm extra (locks/cpu-vllm-py311.txt)")
@@ -186,27 +186,36 @@ def probe_env(cpu: bool) -> dict[str, str]:
     return env
 
 
-def run_probes(*probes: str, cpu: bool) -> dict:
-    """``probes`` in one fresh Python -> the ``facts`` they recorded."""
+def start_probes(*probes: str, cpu: bool) -> FreshPython:
+    """``probes`` in one fresh Python, started at once; :func:`recorded_facts` reads what they recorded."""
     code = "import json\nfacts = {}\n" + "".join(probes) + "print(json.dumps(facts))\n"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=probe_env(cpu), cwd="/",
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return FreshPython(code, probe_env(cpu))
+
+
+def recorded_facts(probe: FreshPython) -> dict:
+    return json.loads(probe.stdout_lines(timeout=300)[-1])
 
 
 @pytest.fixture(scope="module")
-def switch_off():
-    """Upstream as a GPU user's vLLM has it: the CPU backend's switch off."""
+def probes() -> dict[str, FreshPython]:
+    """Both probe processes, started together so that their imports of vLLM (about 10 s of CPU each) overlap:
+    ``off``, upstream as a GPU user's vLLM has it (the CPU backend's switch off), and ``on``."""
     seams = ", ".join(f"{name!r}: {expression}" for name, (expression, _, _) in VLLM_SEAMS.items())
-    return run_probes(VERSION_PROBE, FINGERPRINT_PROBE.replace("{SEAMS}", "{" + seams + "}"), WEIGHT_PROBE,
-                      HOLD_PLUGIN_PROBE, LORA_PROBE, cpu=False)
+    return {"off": start_probes(VERSION_PROBE, FINGERPRINT_PROBE.replace("{SEAMS}", "{" + seams + "}"), WEIGHT_PROBE,
+                                HOLD_PLUGIN_PROBE, LORA_PROBE, cpu=False),
+            "on": start_probes(VERSION_PROBE, THIRD_PARTY_PROBE, WEIGHT_PROBE, HOLD_PLUGIN_PROBE, SOCKET_PROBE,
+                               LORA_PROBE, cpu=True)}
 
 
 @pytest.fixture(scope="module")
-def switch_on():
-    return run_probes(VERSION_PROBE, THIRD_PARTY_PROBE, WEIGHT_PROBE, HOLD_PLUGIN_PROBE, SOCKET_PROBE, LORA_PROBE,
-                      cpu=True)
+def switch_off(probes):
+    """Upstream as a GPU user's vLLM has it: the CPU backend's switch off."""
+    return recorded_facts(probes["off"])
+
+
+@pytest.fixture(scope="module")
+def switch_on(probes):
+    return recorded_facts(probes["on"])
 
 
 @pytest.mark.parametrize("name", list(VLLM_SEAMS))
@@ -273,10 +282,12 @@ asyncio.run(main(sys.argv[1]))
 """
 
 
+@pytest.mark.e2e
 def test_the_hold_keeps_the_first_requests_at_their_token_until_the_engines_first_abort(tmp_path):
     """HOLD_ENV in vLLM's scheduler (what the vLLM async e2e runs rely on): of 3 requests, the first 2 stop at
     their 3rd token and wait through 2 s in which the third finishes; vLLM's abort answers them with those 3 tokens
-    and their log-probs, and a request after the abort is not held."""
+    and their log-probs, and a request after the abort is not held. Marked e2e: it starts a real vLLM engine (about
+    35 s, the developer loop's longest test); in the whole suite it runs with the tests outside ``tests/e2e``."""
     from amir_verl.cpu.settings import vllm_rollout_env
     from amir_verl.demo.toy_task import make_assets
 

@@ -43,6 +43,7 @@ import re
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -317,7 +318,9 @@ def merge(work: Path, variants: list[str], size: Size) -> dict[str, Path]:
 
 def evaluate(work: Path, pairs: list[tuple[str, str]], merged: dict[str, Path], tokenizer: Path) -> dict[str, Evaluated]:
     """The README's step 3 and 4 commands on the produced dumps and models; returns {analysis: its output, or
-    why it had nothing to measure}. Another failure of amir-eval stops the pipeline."""
+    why it had nothing to measure}. Another failure of amir-eval stops the pipeline. A pair's analyses run side
+    by side (each is one process, most of it imports), but ``perplexity`` after ``margin``: it reuses the
+    response scores ``margin`` leaves in the score cache."""
     results, scores = work / "results", work / "cache" / "scores"
     shutil.rmtree(results, ignore_errors=True)
     shutil.rmtree(scores, ignore_errors=True)
@@ -327,28 +330,38 @@ def evaluate(work: Path, pairs: list[tuple[str, str]], merged: dict[str, Path], 
     for base, amir in pairs:
         runs = ["--run", f"{VARIANTS[base]}={val[base]}", "--run", f"{VARIANTS[amir]}={val[amir]}"]
         models = ["--model", f"{VARIANTS[base]}={merged[base]}", "--model", f"{VARIANTS[amir]}={merged[amir]}"]
-        commands = {
+        waves = [{
             "passk": ["passk", *runs, "--k", "1", "2", "4"],
             "calibration": ["calibration", *runs],
             "lengths": ["lengths", *runs, "--tokenizer", str(tokenizer)],
             "coverage": ["coverage", "--run", f"base={val[base] / '0.jsonl'}", *runs],
             "margin": ["margin", *runs, *models, "--device", "cpu", "--score-cache", str(scores)],
+        }, {
             "perplexity": ["perplexity", *runs, *models, "--device", "cpu", "--score-cache", str(scores)],
-        }
-        for analysis, args in commands.items():
-            name, log_path = f"{analysis}_{base}", work / "logs" / f"eval_{analysis}_{base}.log"
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            returncode, output = run_logged([*amir_eval, *args, "--out", str(results)], log_path=log_path, timeout=1800)
-            nothing = NOTHING_TO_MEASURE_LINE.search(output)
-            if returncode == NOTHING_TO_MEASURE and nothing:
-                outputs[name] = Evaluated(output, not_measured=nothing["reason"].strip())
-                log(f"amir-eval {analysis} ({VARIANTS[base]} vs {VARIANTS[amir]}): nothing to measure: "
-                    f"{outputs[name].not_measured}")
-                continue
-            if returncode != 0:
-                raise _failed(f"amir-eval {analysis}", returncode, output, log_path)
-            outputs[name] = Evaluated(output)
-            log(f"amir-eval {analysis} ({VARIANTS[base]} vs {VARIANTS[amir]}) -> {results}")
+        }]
+        for wave in waves:
+            log_paths = {analysis: work / "logs" / f"eval_{analysis}_{base}.log" for analysis in wave}
+            for log_path in log_paths.values():
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+
+            def run_analysis(analysis: str) -> tuple[int, str]:
+                return run_logged([*amir_eval, *wave[analysis], "--out", str(results)], log_path=log_paths[analysis],
+                                  timeout=1800)
+
+            with ThreadPoolExecutor(len(wave)) as pool:
+                done = dict(zip(wave, pool.map(run_analysis, wave)))
+            for analysis, (returncode, output) in done.items():  # in the order above, whichever ended first
+                name = f"{analysis}_{base}"
+                nothing = NOTHING_TO_MEASURE_LINE.search(output)
+                if returncode == NOTHING_TO_MEASURE and nothing:
+                    outputs[name] = Evaluated(output, not_measured=nothing["reason"].strip())
+                    log(f"amir-eval {analysis} ({VARIANTS[base]} vs {VARIANTS[amir]}): nothing to measure: "
+                        f"{outputs[name].not_measured}")
+                    continue
+                if returncode != 0:
+                    raise _failed(f"amir-eval {analysis}", returncode, output, log_paths[analysis])
+                outputs[name] = Evaluated(output)
+                log(f"amir-eval {analysis} ({VARIANTS[base]} vs {VARIANTS[amir]}) -> {results}")
     return outputs
 
 
