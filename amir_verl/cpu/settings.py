@@ -40,6 +40,9 @@ def cpu_settings(logical_gpus: int = 1) -> list[str]:
         # a Ray of this run's own: ray.init() would otherwise join the cluster named by RAY_ADDRESS or the
         # last `ray start` on this machine, and fail there on num_cpus / num_gpus
         "+ray_kwargs.ray_init.address=local",
+        # no idle Python workers started with the driver (Ray's default, for a first task's latency): verl starts
+        # every worker it needs as a named actor, and each idle one cost a toy run's start-up about 0.7 CPU-s
+        "+ray_kwargs.ray_init._system_config={prestart_worker_first_driver:false}",
         # one TransferQueue storage actor instead of 8: each is a Python process that takes seconds to start
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
     ]
