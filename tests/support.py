@@ -163,8 +163,14 @@ class FreshPython:
                                      text=True, env=env, cwd="/")
 
     def stdout_lines(self, timeout: float = 600) -> list[str]:
-        """Its stdout's lines, once it has exited 0 (an assertion with its stderr's tail otherwise)."""
-        out, err = self.proc.communicate(timeout=timeout)
+        """Its stdout's lines, once it has exited 0 (an assertion with its stderr's tail otherwise). Past ``timeout``
+        it is killed and TimeoutExpired raised."""
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            raise
         assert self.proc.returncode == 0, err[-3000:]
         return out.strip().splitlines()
 
