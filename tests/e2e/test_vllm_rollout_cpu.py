@@ -94,7 +94,7 @@ class Kill:
 
 
 @pytest.fixture(scope="module")
-def vllm_wave(tmp_path_factory):
+def vllm_launches(tmp_path_factory):
     """The module's training runs side by side, each on its own thread, then the run whose engine cannot run the
     model -> (assets, {run: Launch}, the Kill or None)."""
     from amir_verl.demo.toy_task import make_assets
@@ -145,10 +145,10 @@ def vllm_wave(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def vllm_runs(vllm_wave):
+def vllm_runs(vllm_launches):
     """The two training runs -> (assets, {run: (workdir, verl's metrics by step, the probe's records by step)}),
     steps 1 to STEPS."""
-    assets, launches, _ = vllm_wave
+    assets, launches, _ = vllm_launches
     results = {}
     for name in ("sync", "lora"):
         launch = launches[name]
@@ -249,22 +249,22 @@ def engine_cores_of(run_dir: Path) -> list[psutil.Process]:
     return [p for run in runs for p in where(descendants(run), lambda p: p.name() == "VLLM::EngineCore")]
 
 
-def test_an_engine_that_cannot_run_the_model_stops_main_ppo_naming_the_rollout(vllm_wave):
+def test_an_engine_that_cannot_run_the_model_stops_main_ppo_naming_the_rollout(vllm_launches):
     """Every request then gets EngineDeadError, and verl's last error is its replay buffer's, which names neither:
     :func:`amir_verl.cpu.launch.failure_reason` gives vLLM's."""
-    _, launches, _ = vllm_wave
+    _, launches, _ = vllm_launches
     failed = launches["head_size_16"].error
     assert isinstance(failed, MainPPOFailed), f"the head-size-16 run did not fail as expected: {failed!r}"
     print("reason:", failed.reason)
     assert failed.reason.startswith("verl's vllm rollout: the vLLM engine failed: Unsupported CPU attention")
 
 
-def test_an_engine_killed_mid_run_stops_main_ppo_naming_the_rollout(vllm_wave):
+def test_an_engine_killed_mid_run_stops_main_ppo_naming_the_rollout(vllm_launches):
     """The sync run, its engine killed once step 3 is logged, ends, non-zero, within FATAL_GRACE_S and the
     launcher's stopping time, and the reason says the engine core exited."""
     from amir_verl.cpu.launch import FATAL_GRACE_S, GRACE_S
 
-    _, launches, kill = vllm_wave
+    _, launches, kill = vllm_launches
     failed = launches["sync"].error
     assert isinstance(failed, MainPPOFailed) and kill is not None, f"no failure after a kill: {failed!r}, {kill}"
     took, engines = launches["sync"].ended - kill.at, kill.engines
