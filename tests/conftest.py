@@ -4,15 +4,10 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.support import PIPELINE_ROLLOUT
-
-REPO = Path(__file__).resolve().parents[1]
-E2E_DIR = "tests/e2e/"  # the modules that launch main_ppo
-PAPER_E2E = "tests/e2e/test_paper_pipeline_cpu.py"  # its tests read the one pipeline run started below
+from tests.support import E2E_DIR, PAPER_E2E, PIPELINE_ROLLOUT, REPO
 
 
 def pytest_collection_modifyitems(config, items):

@@ -32,6 +32,8 @@ from amir_verl.testing import (
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 README = REPO / "README.md"
+E2E_DIR = "tests/e2e/"  # the modules that launch main_ppo
+PAPER_E2E = "tests/e2e/test_paper_pipeline_cpu.py"  # its tests read the one pipeline run the session starts
 
 
 # The suite's pipeline run rolls out on the engine the pipeline's `--rollout auto` picks, verl's own vllm rollout

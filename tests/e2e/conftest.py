@@ -1,6 +1,17 @@
-"""The toy task's model, tokenizer and data, made once for every end-to-end module (runs only read them)."""
+"""What the end-to-end modules share: the toy task's model, tokenizer and data, made once (runs only read them), and
+the run that starts beside the paper pipeline's last stages."""
+
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
+
+from tests.support import PAPER_E2E
+
+ENGINE_FAILURE_TEST = ("tests/e2e/test_vllm_rollout_cpu.py::"
+                       "test_an_engine_that_cannot_run_the_model_stops_main_ppo_naming_the_rollout")
+# a run whose engine fails: about 2 minutes on 2 busy cores, nearly all of it start-up (main_ppo's output ended
+# 3 s after the engine's error); a hang (the issue's fear) runs into this and fails with TimeoutError
+ENGINE_FAILURE_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="session")
@@ -8,3 +19,41 @@ def assets(tmp_path_factory):
     from amir_verl.demo.toy_task import make_assets
 
     return make_assets(tmp_path_factory.mktemp("toy"), n_train=64, n_test=8)
+
+
+@pytest.fixture(scope="session")
+def engine_failure_run(assets, tmp_path_factory) -> Future:
+    """A run whose vLLM engine cannot run the model: the toy model (hidden 64, 4 heads of 16; vLLM's CPU attention
+    needs a head size of at least 32) on verl's vllm rollout, started on a thread of its own -> the Future of its
+    :class:`tests.e2e.support.Launch`."""
+    from amir_verl.cpu.settings import vllm_rollout_env, vllm_rollout_settings
+    from tests.e2e.support import run_alone, train_command
+
+    command = train_command(assets, tmp_path_factory.mktemp("vllm") / "head_size_16", 1, vllm_rollout_settings())
+    command.env.update(vllm_rollout_env())
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(run_alone, "head_size_16", command, ENGINE_FAILURE_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def beside_the_pipeline(request) -> list[Future]:
+    """The runs that start as the first end-to-end test sets up, where the session holds the paper pipeline's tests
+    (tests/conftest.py runs them first): they wait for the pipeline's last stages, about 4 minutes with a core to
+    spare (CI, 2026-12-06: 85% busy). The pipeline holds about 13 GB, so only a run that needs little memory goes
+    beside it: the engine-failure run (about 4.5 GB), which otherwise runs alone after the vLLM module's two training
+    runs (beside them, the three peaked at 20.7 of CI's 24 GB)."""
+    from amir_verl.cpu.settings import vllm_installed
+
+    held = {item.nodeid for item in request.session.items}
+    if not (vllm_installed() and ENGINE_FAILURE_TEST in held and any(n.startswith(PAPER_E2E) for n in held)):
+        return []
+    return [request.getfixturevalue("engine_failure_run")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def after_the_runs_beside_the_pipeline(request, beside_the_pipeline):
+    """Every other module's runs start once those beside the pipeline have ended: they would not fit in memory
+    beside them (the async schedules' three vLLM runs peaked at 17.2 GB)."""
+    if not request.node.nodeid.startswith(PAPER_E2E):
+        for run in beside_the_pipeline:
+            run.result()

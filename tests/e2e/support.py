@@ -4,6 +4,8 @@ the paper's LoRA settings with the recomputation of a LoRA run from the base mod
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,26 @@ def train_command(assets, workdir: Path, steps: int, extra: list[str], **kwargs)
         "trainer.val_before_train=False"
     ]
     return main_ppo_command(overrides, log_path=workdir / "main_ppo.log")
+
+
+@dataclass
+class Launch:
+    """A run that has ended."""
+
+    workdir: Path
+    error: BaseException | None  # what run_main_ppo_together raised (MainPPOFailed for a fault), or None
+    ended: float  # time.monotonic() at its end
+
+
+def run_alone(name: str, command: LoggedCommand, timeout: float) -> Launch:
+    """``command`` (a :func:`train_command`) run to its end on its own, so that no other run's failure stops it;
+    what it raised is recorded, not raised: a fault is some runs' expected end."""
+    try:
+        run_main_ppo_together({name: command}, timeout=timeout)
+        error = None
+    except BaseException as raised:  # the tests report what was not expected
+        error = raised
+    return Launch(command.log_path.parent, error, time.monotonic())
 
 
 def train_side_by_side(commands: dict[str, LoggedCommand]) -> dict[str, dict[int, dict[str, float]]]:

@@ -22,7 +22,8 @@ replica fed by the checkpoint engine) are :mod:`tests.e2e.test_async_cpu`'s runs
 installed.
 
 And two faults, each stopping ``main_ppo`` within a bounded time with a reason naming the rollout: an engine that
-cannot run the model (``head_size_16``: the default toy model, hidden 64, a run of its own after the two), and the
+cannot run the model (the default toy model, hidden 64: ``engine_failure_run`` of tests/e2e/conftest.py, which
+starts it beside the paper pipeline's last stages where the session holds them, else when its test asks), and the
 engine core process killed mid-run (the ``sync`` run's, once its step 3 is logged: its step 4 never gets a
 rollout; verl 0.9.1 would wait for it for ever, the launcher stops it, :data:`amir_verl.cpu.launch.FATAL_OUTPUT`).
 The kill rides on the sync run rather than a launch of its own: a launch costs about 90 CPU-s before its first
@@ -37,8 +38,8 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,14 +47,15 @@ import psutil
 import pytest
 import torch
 
-from amir_verl.cpu.launch import MainPPOFailed, read_verl_metrics, run_main_ppo_together, verl_metrics_path
+from amir_verl.cpu.launch import MainPPOFailed, read_verl_metrics, verl_metrics_path
 from amir_verl.cpu.settings import vllm_installed, vllm_rollout_env, vllm_rollout_settings
 from amir_verl.metrics import NUM_PAIRS, PREF_LOSS, ROLLOUT_PROBS_DIFF_MAX
 from amir_verl.run_config import amir_overrides
 from tests.e2e.probe import probed
 from tests.e2e.support import (
-    BETA, DELTA, GSPO_FLAGS, VLLM_HIDDEN, base_model, check_lora_run_with_reference, load_checkpoint, load_policy,
-    pairs_by_definition, pref_objective, recipe_lora_overrides, response_log_probs, seq_mean, train_command)
+    BETA, DELTA, GSPO_FLAGS, VLLM_HIDDEN, base_model, check_lora_run_with_reference, load_checkpoint,
+    load_policy, pairs_by_definition, pref_objective, recipe_lora_overrides, response_log_probs, run_alone, seq_mean,
+    train_command)
 from tests.support import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not vllm_installed(),
@@ -70,19 +72,7 @@ PROBS_DIFF_TOLERANCE = 1e-6
 LOG_PROB_RTOL, LOG_PROB_ATOL = 1e-4, 1e-6
 
 
-# a run whose engine fails: about 2 minutes on 2 busy cores, nearly all of it start-up (main_ppo's output ended
-# 3 s after the engine's error); a hang (the issue's fear) runs into this and fails with TimeoutError
-ENGINE_FAILURE_TIMEOUT_S = 300
 RUN_TIMEOUT_S = 900  # a run that trains: tests.e2e.support.train_side_by_side's timeout
-
-
-@dataclass
-class Launch:
-    """One of the module's runs, once it has ended."""
-
-    workdir: Path
-    error: BaseException | None  # what run_main_ppo_together raised (MainPPOFailed for the faults), or None
-    ended: float  # time.monotonic() at its end
 
 
 @dataclass
@@ -95,12 +85,11 @@ class Kill:
 
 @pytest.fixture(scope="module")
 def vllm_launches(tmp_path_factory):
-    """The module's training runs side by side, each on its own thread, then the run whose engine cannot run the
-    model -> (assets, {run: Launch}, the Kill or None)."""
+    """The module's training runs side by side, each on its own thread -> (assets, {run: its
+    :class:`tests.e2e.support.Launch`}, the Kill or None)."""
     from amir_verl.demo.toy_task import make_assets
 
     assets = make_assets(tmp_path_factory.mktemp("toy_vllm"), n_train=8 * (STEPS + 1), n_test=8, hidden=VLLM_HIDDEN)
-    head_16 = make_assets(tmp_path_factory.mktemp("toy_head_16"), n_train=8, n_test=8)
     root = tmp_path_factory.mktemp("vllm")
     sync = amir_overrides("amir_grpo", reference="ref_free", beta_dpo=BETA, delta_r=DELTA, lambda_rule="fixed",
                           lambda_init=0.05)
@@ -109,11 +98,7 @@ def vllm_launches(tmp_path_factory):
     commands = {  # the sync run has a step 4 to start, which its killed engine never serves
         "sync": train_command(assets, root / "sync", STEPS + 1, sync + vllm_rollout_settings(), save_freq=1),
         "lora": train_command(assets, root / "lora", STEPS, lora + vllm_rollout_settings(), save_freq=1),
-        "head_size_16": train_command(head_16, root / "head_size_16", 1, vllm_rollout_settings()),
     }
-    timeouts = {"sync": RUN_TIMEOUT_S, "lora": RUN_TIMEOUT_S, "head_size_16": ENGINE_FAILURE_TIMEOUT_S}
-    for name in ("sync", "lora"):
-        probed(commands[name], root / name, REPO)
     kills: list[Kill] = []
 
     def kill_the_engine_once_step_3_is_logged(line: str) -> None:
@@ -124,23 +109,11 @@ def vllm_launches(tmp_path_factory):
             kills.append(Kill(time.monotonic(), len(engines)))
 
     commands["sync"].on_line = kill_the_engine_once_step_3_is_logged
-    launches: dict[str, Launch] = {}
-
-    def run(name: str) -> None:
-        commands[name].env.update(vllm_rollout_env())
-        try:
-            run_main_ppo_together({name: commands[name]}, timeout=timeouts[name])
-            error = None
-        except BaseException as raised:  # MainPPOFailed is the faults' expected end; the tests report the rest
-            error = raised
-        launches[name] = Launch(root / name, error, time.monotonic())
-
-    threads = [threading.Thread(target=run, args=(name,)) for name in ("sync", "lora")]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    run("head_size_16")  # alone: beside the two, CI's memory peaked at 20.7 of 24 GB (about 16 without it)
+    for name, command in commands.items():
+        probed(command, root / name, REPO)
+        command.env.update(vllm_rollout_env())
+    with ThreadPoolExecutor(len(commands)) as pool:
+        launches = dict(zip(commands, pool.map(lambda name: run_alone(name, commands[name], RUN_TIMEOUT_S), commands)))
     return assets, launches, kills[0] if kills else None
 
 
@@ -249,11 +222,10 @@ def engine_cores_of(run_dir: Path) -> list[psutil.Process]:
     return [p for run in runs for p in where(descendants(run), lambda p: p.name() == "VLLM::EngineCore")]
 
 
-def test_an_engine_that_cannot_run_the_model_stops_main_ppo_naming_the_rollout(vllm_launches):
+def test_an_engine_that_cannot_run_the_model_stops_main_ppo_naming_the_rollout(engine_failure_run):
     """Every request then gets EngineDeadError, and verl's last error is its replay buffer's, which names neither:
     :func:`amir_verl.cpu.launch.failure_reason` gives vLLM's."""
-    _, launches, _ = vllm_launches
-    failed = launches["head_size_16"].error
+    failed = engine_failure_run.result().error
     assert isinstance(failed, MainPPOFailed), f"the head-size-16 run did not fail as expected: {failed!r}"
     print("reason:", failed.reason)
     assert failed.reason.startswith("verl's vllm rollout: the vLLM engine failed: Unsupported CPU attention")
