@@ -72,6 +72,11 @@ SEAMS = {
     "validate_config": (getattr(verl_config.validate_config, "__wrapped__", verl_config.validate_config), "ab4096deecfec745",
                         "wrapped: main_ppo's driver-side check, which AMIR extends"),
     "main_ppo.main": (main_ppo.main, "eb706c4f6622ed04", "calls validate_config before run_ppo (ray.init)"),
+    "main_ppo.run_ppo": (main_ppo.run_ppo, "a65eddb189e56ae1",
+                         "ray.init(**ray_kwargs.ray_init), only its runtime_env merged over verl's defaults: the CPU "
+                         "settings' Ray of the run's own (address, logical num_cpus / num_gpus, no dashboard, "
+                         "_system_config: no prestarted workers; amir_verl.cpu.settings.cpu_settings) and the "
+                         "end-to-end probe's worker_process_setup_hook (tests/e2e/probe.py) reach Ray as given"),
     "HFModelConfig.__post_init__": (HFModelConfig.__post_init__, "a18620cfff22adeb",
                                     "override_config.attn_implementation, default flash_attention_2, is what every "
                                     "FSDP model loads with (run_config.check_attention_loads)"),
