@@ -54,7 +54,7 @@ def beside_the_pipeline(request) -> list[Future]:
 @pytest.fixture(scope="module", autouse=True)
 def after_the_runs_beside_the_pipeline(request, beside_the_pipeline):
     """Every other module's runs start once those beside the pipeline have ended: they would not fit in memory
-    beside them (the async schedules' three vLLM runs peaked at 17.2 GB)."""
+    beside them (the async schedules' three vLLM runs peaked at 17.2 to 19.1 GiB in CI)."""
     if not request.node.nodeid.startswith(PAPER_E2E):
         for run in beside_the_pipeline:
             run.result()
