@@ -7,8 +7,6 @@ import pytest
 
 from tests.support import PAPER_E2E
 
-ENGINE_FAILURE_TEST = ("tests/e2e/test_vllm_rollout_cpu.py::"
-                       "test_an_engine_that_cannot_run_the_model_stops_main_ppo_naming_the_rollout")
 # a run whose engine fails, nearly all of it start-up (main_ppo's output ended 3 s after the engine's error): 88 s
 # alone, 222 s beside the paper pipeline's last stages (CI's whole suite, 2026-12-06), more on a slower machine; a hang
 # (the issue's fear) runs into this and fails with TimeoutError
@@ -39,14 +37,15 @@ def engine_failure_run(assets, tmp_path_factory) -> Future:
 @pytest.fixture(scope="session", autouse=True)
 def beside_the_pipeline(request) -> list[Future]:
     """The runs that start as the first end-to-end test sets up, where the session holds the paper pipeline's tests
-    (tests/conftest.py runs them first): they wait for the pipeline's last stages, about 4 minutes with a core to
-    spare (CI, 2026-12-06: 85% busy). The pipeline holds about 13 GB, so only a run that needs little memory goes
-    beside it: the engine-failure run (about 4.5 GB), which otherwise runs alone after the vLLM module's two training
+    (tests/conftest.py runs them first) and a test that asks for the run: the pipeline's tests wait for its last
+    stages, about 4 minutes with a core to spare (CI, 2026-12-06: 85% busy). The pipeline holds about 13 GB, so only
+    a run that needs little memory goes beside it: the engine-failure run (about 4.5 GB), which otherwise runs alone after the vLLM module's two training
     runs (beside them, the three peaked at 20.7 of CI's 24 GB)."""
     from amir_verl.cpu.settings import vllm_installed
 
-    held = {item.nodeid for item in request.session.items}
-    if not (vllm_installed() and ENGINE_FAILURE_TEST in held and any(n.startswith(PAPER_E2E) for n in held)):
+    items = request.session.items
+    wanted = any("engine_failure_run" in getattr(item, "fixturenames", ()) for item in items)
+    if not (vllm_installed() and wanted and any(item.nodeid.startswith(PAPER_E2E) for item in items)):
         return []
     return [request.getfixturevalue("engine_failure_run")]
 

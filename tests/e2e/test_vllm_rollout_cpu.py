@@ -26,8 +26,8 @@ cannot run the model (the default toy model, hidden 64: ``engine_failure_run`` o
 starts it beside the paper pipeline's last stages where the session holds them, else when its test asks), and the
 engine core process killed mid-run (the ``sync`` run's, once its step 3 is logged: its step 4 never gets a
 rollout; verl 0.9.1 would wait for it for ever, the launcher stops it, :data:`amir_verl.cpu.launch.FATAL_OUTPUT`).
-The kill rides on the sync run rather than a launch of its own: a launch costs about 90 CPU-s before its first
-step.
+The kill rides on the sync run rather than a launch of its own: a toy vLLM launch costs about 120 CPU-s (measured
+2026-12-06, 2 steps).
 
 Not verl's rollout dump (``trainer.rollout_data_dir``): it keeps decoded text without special tokens, and the
 toy model samples them (seen: a response ending in ``<pad>``); re-tokenised, 4 of step 1's 64 responses were
