@@ -94,6 +94,8 @@ CASES = [
     (GSM, "2^{10}", "1024", True),
     (GSM, "10^6", "1000000", True),
     (GSM, "1 million", "1000000", True),
+    (GSM, "5!", "120", True),  # a factorial, not an exclamation: math-verify evaluates it
+    (GSM, "5!.", "120", True),
     # ---- GSM8K: wrong values, and right values offered next to wrong ones
     (GSM, "1235", "1234", False),
     (GSM, "1,235", "1234", False),
@@ -114,6 +116,7 @@ CASES = [
     (GSM, "2^{10}", "10", False),
     (GSM, "3\\pi", "3", False),
     (GSM, "1234^2", "1234", False),
+    (GSM, "5!", "5", False),
     (GSM, "5 apples and 3 oranges", "5", False),
     (GSM, "3 \\times 5 = 15", "5", False),
     (GSM, "2 hours and 30 minutes", "2.5", False),
@@ -209,6 +212,9 @@ CASES = [
     (AMC, "either 3 or 4", "3", False),
     (AMC, "", "3", False),
     (AMC, "\\boxed{}", "3", False),
+    (AMC, "3!", "6", True),  # "!" after a value is a factorial
+    (AMC, "3!", "3", False),
+    (AMC, "\\boxed{(2+1)!}", "6", True),
     # ---- OlympiadBench: a list of accepted golds, any one matches; still one value
     (OLYMPIAD, "3", ["2", "3"], True),
     (OLYMPIAD, "4", ["2", "3"], False),

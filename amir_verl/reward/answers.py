@@ -103,10 +103,24 @@ def _unwrap_math_mode(text: str) -> str:
 
 def strip_delimiters(text: str) -> str:
     """Remove math-mode delimiters, a lead-in phrase ("The answer is"), markdown emphasis, and trailing
-    punctuation (delimiters may stand on either side of the lead-in: "$The answer is 5$", "Answer: $5$")."""
+    punctuation (delimiters may stand on either side of the lead-in: "$The answer is 5$", "Answer: $5$").
+    A "!" right after a value is a factorial ("3!" is 6), not punctuation."""
     text = _LEAD_IN.sub("", _unwrap_math_mode(text.strip()), count=1).strip()
     text = _MARKDOWN.sub(r"\1", text).strip()  # **42**, `42`
-    return _unwrap_math_mode(text).rstrip(" .;!").strip()
+    return _strip_trailing_punctuation(_unwrap_math_mode(text)).strip()
+
+
+def _strip_trailing_punctuation(text: str) -> str:
+    """Drop trailing whitespace, "." and ";", and a "!" that follows no value: "5." and "Yes !" end in
+    punctuation; "5!", "(n+1)!" and "5!!" end in a factorial."""
+    end = len(text)
+    while end and (text[end - 1] in " \t\r\n.;" or (text[end - 1] == "!" and not _ends_a_value(text[:end - 1]))):
+        end -= 1
+    return text[:end]
+
+
+def _ends_a_value(text: str) -> bool:
+    return bool(text) and (text[-1].isalnum() or text[-1] in "_)]}!")
 
 
 def answer_values(answer: str) -> list[str] | None:
@@ -141,7 +155,7 @@ _TEXT_COMMANDS = re.compile(r"\\(?:" + "|".join(_WRAPPER_COMMANDS) + r"|operator
 _CURRENCY = re.compile(r"\\\$|\$|€|£|¥|\\euro|\\pounds|\\%|%")
 _SPACING = re.compile(r"\\[,;:! ]|~|\\quad|\\qquad|\\left|\\right")
 _NUMBER = re.compile(r"(?<![\w.])(?:-\s*)?(?:\d+\s+\d+\s*/\s*\d+|\d+(?:\.\d+)?\s*/\s*\d+(?:\.\d+)?|\d+(?:\.\d*)?|\.\d+)")
-_OPERATOR = re.compile(r"[\^*+×÷·]|\\(?:times|cdot|div|sqrt|pi|frac|dfrac|tfrac|log|ln|exp|sin|cos|binom|pm)|\d\s*-\s*\d|\d\(")
+_OPERATOR = re.compile(r"[\^*+×÷·]|[\w)}]\s*!|\\(?:times|cdot|div|sqrt|pi|frac|dfrac|tfrac|log|ln|exp|sin|cos|binom|pm)|\d\s*-\s*\d|\d\(")
 _SCALES = {"thousand": 10**3, "million": 10**6, "billion": 10**9}
 _SCALE_WORD = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)\s*(thousand|million|billion)\b", re.IGNORECASE)
 _EQUALS = re.compile(r"=|\\approx|≈|\\equiv")

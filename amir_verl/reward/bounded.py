@@ -184,8 +184,9 @@ def _fall_back_in_process(error: BaseException) -> None:
     _import_math_verify()
 
 
-class _Alarm(Exception):
-    pass
+class _Alarm(BaseException):
+    """The in-process budget ran out. A BaseException (as math-verify's own ``TimeoutException``), so that
+    the ``except Exception`` blocks of math-verify and sympy cannot swallow it and go on computing."""
 
 
 def _run_in_process(fn, args: tuple, timeout_s: float, default):
@@ -203,11 +204,13 @@ def _run_in_process(fn, args: tuple, timeout_s: float, default):
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        return fn(*args)
-    except Exception:  # _Alarm included: a timeout or an error on hostile input is "not equal"
+        try:
+            return fn(*args)
+        finally:  # an alarm due just as fn returns is raised here, and caught below like any other
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except (_Alarm, Exception):  # a timeout or an error on hostile input is "not equal"
         return default
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
 
 
