@@ -96,6 +96,7 @@ CASES = [
     (GSM, "1 million", "1000000", True),
     (GSM, "5!", "120", True),  # a factorial, not an exclamation: math-verify evaluates it
     (GSM, "5!.", "120", True),
+    (GSM, "Wow! It is 42", "42", True),  # an exclamation, not a factorial
     # ---- GSM8K: wrong values, and right values offered next to wrong ones
     (GSM, "1235", "1234", False),
     (GSM, "1,235", "1234", False),
