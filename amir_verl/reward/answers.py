@@ -155,7 +155,7 @@ _TEXT_COMMANDS = re.compile(r"\\(?:" + "|".join(_WRAPPER_COMMANDS) + r"|operator
 _CURRENCY = re.compile(r"\\\$|\$|€|£|¥|\\euro|\\pounds|\\%|%")
 _SPACING = re.compile(r"\\[,;:! ]|~|\\quad|\\qquad|\\left|\\right")
 _NUMBER = re.compile(r"(?<![\w.])(?:-\s*)?(?:\d+\s+\d+\s*/\s*\d+|\d+(?:\.\d+)?\s*/\s*\d+(?:\.\d+)?|\d+(?:\.\d*)?|\.\d+)")
-_OPERATOR = re.compile(r"[\^*+×÷·]|[\d)}]!|\\(?:times|cdot|div|sqrt|pi|frac|dfrac|tfrac|log|ln|exp|sin|cos|binom|pm)|\d\s*-\s*\d|\d\(")
+_OPERATOR = re.compile(r"[\^*+×÷·]|[\d)\]}]!|\\(?:times|cdot|div|sqrt|pi|frac|dfrac|tfrac|log|ln|exp|sin|cos|binom|pm)|\d\s*-\s*\d|\d\(")
 _SCALES = {"thousand": 10**3, "million": 10**6, "billion": 10**9}
 _SCALE_WORD = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)\s*(thousand|million|billion)\b", re.IGNORECASE)
 _EQUALS = re.compile(r"=|\\approx|≈|\\equiv")
