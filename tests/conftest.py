@@ -7,7 +7,15 @@ import sys
 
 import pytest
 
-from tests.support import E2E_DIR, PAPER_E2E, PIPELINE_ROLLOUT, REPO
+from amir_verl.cpu.settings import OPENMP_ENV
+
+# This process's OpenMP waits as a CPU run's do (amir_verl.cpu.settings.OPENMP_ENV), set before torch loads libgomp
+# (which reads it once, at load; tests.support imports torch): the unit tests run beside the paper pipeline's run,
+# and every process the tests start inherits it.
+for _key, _value in OPENMP_ENV.items():
+    os.environ.setdefault(_key, _value)
+
+from tests.support import E2E_DIR, PAPER_E2E, PIPELINE_ROLLOUT, REPO  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -25,6 +25,7 @@ from amir_verl.cpu.launch import (
     verl_metrics_path,
 )
 from amir_verl.cpu.progress import RunProgress, progress_line, validation_accuracy
+from amir_verl.cpu.settings import OPENMP_ENV
 from amir_verl.demo.quickstart import MARKER, QuickstartError, main, prepare_workdir
 from amir_verl.demo.report import moving_average, plot_runs, summary_rows, summary_table
 from amir_verl.metrics import GRAD_SHARE, LAMBDA, MARGIN, NUM_PAIRS, PAIR_ACCURACY, REWARD, STEP_TIME
@@ -58,12 +59,23 @@ def _gone(pid: int) -> bool:
     return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+def test_lines_printed_from_threads_side_by_side_come_out_whole():
+    """The reader threads of runs side by side print their lines at once; ``print`` writes a text and its newline
+    apart, so two lines could merge into one (seen: a launcher test read " 4242" for "child 4242")."""
+    code = ("import threading\nfrom amir_verl.cpu.launch import print_line\n"
+            "def lines(name):\n    for i in range(3000):\n        print_line(f'{name} {i}')\n"
+            "threads = [threading.Thread(target=lines, args=(name,)) for name in 'ab']\n"
+            "[t.start() for t in threads]\n[t.join() for t in threads]\n")
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert sorted(out.splitlines()) == sorted(f"{name} {i}" for name in "ab" for i in range(3000))
+
+
 def launcher_to_interrupt(child_code: str, call: str) -> subprocess.Popen:
     """A Python process that runs ``call`` (a launcher call starting ``CHILD = child_code`` processes, whose
     lines it prints after 'child') and prints 'interrupted' from its own KeyboardInterrupt handler."""
     launcher = (f"import sys\nCHILD = {child_code!r}\n"
-                "from amir_verl.cpu.launch import LoggedCommand, run_logged, run_logged_together, stops_on_sigterm\n"
-                "show = lambda line: print('child', line, end='', flush=True)\n"
+                "from amir_verl.cpu.launch import LoggedCommand, print_line, run_logged, run_logged_together, stops_on_sigterm\n"
+                "show = lambda line: print_line('child ' + line.rstrip())\n"
                 f"@stops_on_sigterm\ndef main():\n    {call}\n"
                 "try:\n    main()\nexcept KeyboardInterrupt:\n    print('interrupted', flush=True)\n")
     return subprocess.Popen([PY, "-c", launcher], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -287,6 +299,14 @@ def test_failure_reason_is_one_line_naming_the_cause(output, expected):
 def test_main_ppo_failed_carries_the_reason_and_log(tmp_path):
     error = MainPPOFailed(1, "ValueError: x", "tail of the output", tmp_path / "log")
     assert error.reason == "ValueError: x" and "full log: " in str(error) and "tail of the output" in str(error)
+
+
+def test_main_ppo_waits_in_openmp_as_the_cpu_settings_say_unless_the_environment_sets_it(monkeypatch):
+    for key in OPENMP_ENV:
+        monkeypatch.delenv(key, raising=False)
+    assert {key: main_ppo_env()[key] for key in OPENMP_ENV} == OPENMP_ENV
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's choice wins
+    assert main_ppo_env()["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
 def verl_file_logger(monkeypatch, log_path: Path):

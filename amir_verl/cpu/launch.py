@@ -24,8 +24,18 @@ from pathlib import Path
 from typing import Callable
 
 from amir_verl.cpu import SWITCH
+from amir_verl.cpu.settings import OPENMP_ENV
 
 GRACE_S = 5.0  # SIGTERM to SIGKILL
+_CONSOLE = threading.Lock()
+
+
+def print_line(text: str, file=None) -> None:
+    """``text`` and its newline onto the console (stdout, or ``file``) in one piece, from any thread: the reader
+    threads of runs side by side print at once, and ``print`` writes its text and its newline apart, so two lines
+    can otherwise merge into one ("a" "b" "\\n" "\\n")."""
+    with _CONSOLE:
+        print(text, file=file, flush=True)
 
 
 class MainPPOFailed(RuntimeError):
@@ -302,12 +312,13 @@ def run_logged(cmd: list[str], env: dict[str, str] | None = None, log_path: Path
 
 
 def main_ppo_env(log_path: Path | None = None) -> dict[str, str]:
-    """The environment of a CPU-backend main_ppo: the switch on, and verl's file logger writing to
+    """The environment of a CPU-backend main_ppo: the switch on, verl's file logger writing to
     :func:`verl_metrics_path` of ``log_path`` (nowhere without one: verl would write into the working
-    directory)."""
+    directory), and :data:`~amir_verl.cpu.settings.OPENMP_ENV` where the environment does not set it (Ray's workers
+    inherit it)."""
     metrics = verl_metrics_path(log_path) if log_path is not None else Path(os.devnull)
-    return dict(os.environ, **{SWITCH: "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0",
-                               "VERL_FILE_LOGGER_PATH": str(metrics)})
+    return dict(OPENMP_ENV, **os.environ, **{SWITCH: "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0",
+                                             "VERL_FILE_LOGGER_PATH": str(metrics)})
 
 
 def main_ppo_command(overrides: list[str], log_path: Path | None = None,
@@ -315,7 +326,7 @@ def main_ppo_command(overrides: list[str], log_path: Path | None = None,
     """``python -m verl.trainer.main_ppo <overrides>`` on the CPU backend, its output to ``log_path`` and
     ``on_line`` (with neither it is echoed to stdout), its metrics to :func:`verl_metrics_path` of ``log_path``."""
     if log_path is None and on_line is None:
-        on_line = lambda line: print(line, end="", flush=True)  # noqa: E731
+        on_line = lambda line: print_line(line.rstrip("\n"))  # noqa: E731
     return LoggedCommand([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], main_ppo_env(log_path), log_path,
                          on_line)
 

@@ -8,7 +8,7 @@ import json
 import threading
 from pathlib import Path
 
-from amir_verl.cpu.launch import parse_verl_metrics_record, verl_metrics_path
+from amir_verl.cpu.launch import parse_verl_metrics_record, print_line, verl_metrics_path
 from amir_verl.metrics import LAMBDA, MARGIN, NUM_PAIRS, REWARD, STEP_TIME, format_value
 
 
@@ -44,9 +44,6 @@ def progress_line(run: str, step: int, total_steps: int, metrics: dict[str, floa
               f"pairs {format_value(metrics.get(NUM_PAIRS), '.0f')}", f"lambda {format_value(metrics.get(LAMBDA))}",
               f"{format_value(metrics.get(STEP_TIME), '.1f')} s"]
     return "  ".join(parts)
-
-
-_CONSOLE = threading.Lock()
 
 
 class RunProgress:
@@ -85,8 +82,7 @@ class RunProgress:
             step, metrics = parse_verl_metrics_record(raw)
             self.steps.setdefault(step, {}).update(metrics)
             self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-            with _CONSOLE:  # runs side by side print from their own reader threads: whole lines only
-                print(progress_line(self.run, step, self.total_steps, metrics), flush=True)
+            print_line(progress_line(self.run, step, self.total_steps, metrics))  # from a reader thread
 
     def close(self) -> None:
         with self._lock:

@@ -74,6 +74,16 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+# The OpenMP settings of every process of a CPU run, unless the environment sets them: a thread that waits for
+# the others sleeps instead of spinning (libgomp, PyTorch's OpenMP, spins up to 300,000 times a wait by default).
+# A CPU run's processes share the cores (the actor, vLLM's engine core, the reward workers; in the tests and the
+# pipeline other runs too), and a spinning thread holds a core that the thread it waits for needs. Measured
+# (2-core machine, benchmarks/bench_omp_wait.py): a 2-thread forward beside one busy core 23.5 s and 28.7 CPU-s
+# spinning, 19.6 s and 21.1 CPU-s sleeping; the same alone 10.5 s either way. The results are the same: only
+# how an idle thread waits changes.
+OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 VLLM_CPU_KVCACHE_GIB = 1  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE); the toy task needs far less
 
 

@@ -53,6 +53,7 @@ from amir_verl.cpu.launch import (
     LoggedCommand,
     MainPPOFailed,
     main_ppo_env,
+    print_line,
     run_logged,
     run_logged_together,
     run_main_ppo_together,
@@ -172,7 +173,7 @@ class PipelineError(Exception):
 
 
 def log(message: str) -> None:
-    print(f"[paper] {message}", flush=True)
+    print_line(f"[paper] {message}")  # also from the cold start's reader thread
 
 
 def _failed(name: str, returncode: int, output: str, log_path: Path) -> PipelineError:

@@ -25,6 +25,7 @@ import torch
 
 from amir_verl import run_figures
 from amir_verl.cpu.launch import GRACE_S, LoggedCommand, read_verl_metrics, run_logged, run_main_ppo, verl_metrics_path
+from amir_verl.cpu.settings import OPENMP_ENV
 from amir_verl.demo.quickstart import DEFAULT_STEPS, DEFAULT_WORKDIR, RUNS, run_overrides
 from amir_verl.demo.report import NO_BRIER, SUMMARY_WINDOW
 from amir_verl.demo.toy_task import make_assets
@@ -46,6 +47,7 @@ class InterruptedQuickstart:
     workdir: Path
     started: list[psutil.Process]  # its processes when the signal went: main_ppo, Ray's GCS and raylet, the workers
     started_commands: list[str]
+    started_openmp: list[dict[str, str | None] | None]  # the OPENMP_ENV keys of each one's environment then (None: ended)
     stop_s: float  # from the signal to its exit
     returncode: int
     out: str
@@ -279,11 +281,20 @@ def test_the_readmes_demo_prints_the_readmes_table_on_a_quiet_console_and_its_gr
     assert_same(stock, grpo, BASE_METRICS, range(1, stock_steps + 1))
 
 
+def openmp_settings(process: psutil.Process) -> dict[str, str | None] | None:
+    """The OPENMP_ENV keys of ``process``'s environment, None if it has ended."""
+    try:
+        return {key: process.environ().get(key) for key in OPENMP_ENV}
+    except psutil.NoSuchProcess:
+        return None
+
+
 def interrupted_quickstart(workdir: Path) -> InterruptedQuickstart:
     """``quickstart --runs grpo --steps 40 -- <the calibrated reward>`` with RAY_ADDRESS naming a Ray that does
     not exist, sent SIGINT as a terminal's Ctrl-C once step 1 is on its console."""
+    environment = {key: value for key, value in os.environ.items() if key not in OPENMP_ENV}  # main_ppo_env's to set
     proc = quickstart(workdir, "--runs", "grpo", "--steps", "40", "--", *CALIBRATED, preexec_fn=sigint_as_from_a_terminal,
-                      env=dict(os.environ, RAY_ADDRESS="127.0.0.1:9"))
+                      env=dict(environment, RAY_ADDRESS="127.0.0.1:9"))
     for line in proc.stdout:
         if line.startswith("[grpo] step  1/40"):
             break
@@ -291,10 +302,12 @@ def interrupted_quickstart(workdir: Path) -> InterruptedQuickstart:
         pytest.fail(f"no step 1: {proc.stderr.read()[-3000:]}")
     started = psutil.Process(proc.pid).children(recursive=True)
     started_commands = [" ".join(p.cmdline()) for p in started]
+    started_openmp = [openmp_settings(p) for p in started]
     proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends the quickstart (main_ppo has its own session)
     start = time.monotonic()
     out, err = proc.communicate(timeout=120)
-    return InterruptedQuickstart(workdir, started, started_commands, time.monotonic() - start, proc.returncode, out, err)
+    return InterruptedQuickstart(workdir, started, started_commands, started_openmp, time.monotonic() - start,
+                                 proc.returncode, out, err)
 
 
 def test_quickstart_ctrl_c_stops_promptly_leaves_nothing_running_and_says_where_the_results_are(independent_runs):
@@ -307,6 +320,17 @@ def test_quickstart_ctrl_c_stops_promptly_leaves_nothing_running_and_says_where_
     assert "interrupted during grpo at step " in stopped.err and str(stopped.workdir) in stopped.err
     assert 1 in read_jsonl(stopped.workdir / "grpo" / "metrics.jsonl")  # the partial results are where it says
     assert still_running(stopped.started, within_s=30) == []  # killed processes vanish once the kernel has reaped them
+
+
+def test_every_process_of_a_cpu_run_waits_in_openmp_as_the_cpu_settings_say(independent_runs):
+    """The quickstart, started without OPENMP_ENV's keys, gives them to main_ppo (``main_ppo_env``), and Ray gives
+    them to every worker: each process of the run has them, verl's workers included."""
+    stopped = independent_runs["interrupted"]
+    workers = [i for i, command in enumerate(stopped.started_commands) if command.startswith("ray::")]
+    assert len(workers) >= 3, stopped.started_commands  # the TaskRunner, the actor, the rollout, ...
+    assert all(stopped.started_openmp[i] is not None for i in workers)
+    assert all(openmp in (OPENMP_ENV, None) for openmp in stopped.started_openmp), list(zip(stopped.started_commands,
+                                                                                          stopped.started_openmp))
 
 
 def still_running(processes: list[psutil.Process], within_s: float) -> list[psutil.Process]:
