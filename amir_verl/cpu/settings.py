@@ -78,9 +78,9 @@ def vllm_installed() -> bool:
 # the others sleeps instead of spinning (libgomp, PyTorch's OpenMP, spins up to 300,000 times a wait by default).
 # A CPU run's processes share the cores (the actor, vLLM's engine core, the reward workers; in the tests and the
 # pipeline other runs too), and a spinning thread holds a core that the thread it waits for needs. Measured
-# (2-core machine, benchmarks/bench_omp_wait.py): a 2-thread forward beside one busy core 23.5 s and 28.7 CPU-s
-# spinning, 19.6 s and 21.1 CPU-s sleeping; the same alone 10.5 s either way. The results are the same: only
-# how an idle thread waits changes.
+# (2 cores, benchmarks/bench_omp_wait.py, 2026-12-06): a 2-thread forward beside one busy process 25.7 s and
+# 30.7 CPU-s spinning, 19.9 s and 21.3 CPU-s sleeping; alone 11.3 s and 11.6 s. The results are the same: only how
+# an idle thread waits changes.
 OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
