@@ -12,6 +12,7 @@ import numpy as np
 import psutil
 import pytest
 
+from amir_verl.cpu import SWITCH
 from amir_verl.cpu.launch import (
     LoggedCommand,
     MainPPOFailed,
@@ -307,6 +308,18 @@ def test_main_ppo_waits_in_openmp_as_the_cpu_settings_say_unless_the_environment
     assert {key: main_ppo_env()[key] for key in OPENMP_ENV} == OPENMP_ENV
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's choice wins
     assert main_ppo_env()["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_main_ppo_env_sets_its_own_keys_over_the_environments(monkeypatch, tmp_path):
+    """The keys the launcher sets win over the environment's (the demo's process has TOKENIZERS_PARALLELISM set by
+    then: merging them as keyword arguments raised "got multiple values")."""
+    for key, value in {SWITCH: "0", "TOKENIZERS_PARALLELISM": "true", "RAY_DEDUP_LOGS": "1",
+                       "VERL_FILE_LOGGER_PATH": "elsewhere"}.items():
+        monkeypatch.setenv(key, value)
+    env = main_ppo_env(tmp_path / "main_ppo.log")
+    assert {key: env[key] for key in (SWITCH, "TOKENIZERS_PARALLELISM", "RAY_DEDUP_LOGS", "VERL_FILE_LOGGER_PATH")} == {
+        SWITCH: "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0",
+        "VERL_FILE_LOGGER_PATH": str(verl_metrics_path(tmp_path / "main_ppo.log"))}
 
 
 def verl_file_logger(monkeypatch, log_path: Path):

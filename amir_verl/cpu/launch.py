@@ -317,8 +317,8 @@ def main_ppo_env(log_path: Path | None = None) -> dict[str, str]:
     directory), and :data:`~amir_verl.cpu.settings.OPENMP_ENV` where the environment does not set it (Ray's workers
     inherit it)."""
     metrics = verl_metrics_path(log_path) if log_path is not None else Path(os.devnull)
-    return dict(OPENMP_ENV, **os.environ, **{SWITCH: "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0",
-                                             "VERL_FILE_LOGGER_PATH": str(metrics)})
+    return {**OPENMP_ENV, **os.environ, SWITCH: "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0",
+            "VERL_FILE_LOGGER_PATH": str(metrics)}
 
 
 def main_ppo_command(overrides: list[str], log_path: Path | None = None,

@@ -24,14 +24,14 @@ import pytest
 import torch
 
 from amir_verl import run_figures
-from amir_verl.cpu.launch import GRACE_S, LoggedCommand, read_verl_metrics, run_logged, run_main_ppo, verl_metrics_path
+from amir_verl.cpu.launch import GRACE_S, LoggedCommand, read_verl_metrics, run_main_ppo, verl_metrics_path
 from amir_verl.cpu.settings import OPENMP_ENV
 from amir_verl.demo.quickstart import DEFAULT_STEPS, DEFAULT_WORKDIR, RUNS, run_overrides
 from amir_verl.demo.report import NO_BRIER, SUMMARY_WINDOW
 from amir_verl.demo.toy_task import make_assets
 from amir_verl.run_config import amir_overrides
 from amir_verl.metrics import LAMBDA, MARGIN, NUM_PAIRS, PAIR_ACCURACY, PAIRED_SEQUENCES_MIN, PREFIX, PREF_LOSS, PREF_TERM, PREF_TERM_MIN, REWARD, ROLLOUT_PROBS_DIFF_MAX
-from tests.e2e.support import BASE_METRICS, assert_same, train_command, train_side_by_side
+from tests.e2e.support import BAD_CONFIGS, BASE_METRICS, assert_same, train_command, train_side_by_side
 from tests.support import README, readme_commands, sigint_as_from_a_terminal
 
 pytestmark = pytest.mark.e2e
@@ -138,47 +138,9 @@ def test_two_ranks_two_mini_batches_and_micro_batches_report_the_brute_force_pre
     assert metrics[1][PREF_LOSS] == pytest.approx(-float(torch.stack(terms).mean()), rel=1e-4)
 
 
-BAD_CONFIGS = dict(zip(
-    ["unknown-key", "missing-reference", "missing-trainer-mode", "megatron-lora-key-on-fsdp",
-     "flash-attention-missing", "lora-unmerged-through-checkpoint-engine"],
-    [
-        (["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "trainer.v1.trainer_mode=amir",
-          "+amir.bta_dpo=0.1", "actor_rollout_ref.actor.use_kl_loss=True"], r"amir\.bta_dpo"),
-        (["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "trainer.v1.trainer_mode=amir"],
-         r"actor_rollout_ref\.actor\.use_kl_loss=True"),
-        (["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "actor_rollout_ref.actor.use_kl_loss=True"],
-         r"add trainer\.v1\.trainer_mode=amir"),
-        (["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "trainer.v1.trainer_mode=amir",
-          "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.model.lora.rank=16"],
-         r"set actor_rollout_ref\.model\.lora_rank=16"),
-        # a stock GRPO run with verl's default attention, which this machine (no flash-attn) cannot load
-        (["actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2"],
-         r"not installed.*\+actor_rollout_ref\.model\.override_config\.attn_implementation=sdpa"),
-        (["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "trainer.v1.trainer_mode=amir",
-          "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.model.lora_rank=8",
-          "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_object_store"],
-         r"verl issue 7495.*lora\.merge=True"),
-    ],
-))  # {id: (overrides, what the error must say)}
-
-
-@pytest.fixture(scope="module")
-def bad_config_runs(assets, tmp_path_factory) -> dict[str, tuple[int, str]]:
-    """Every bad config's run, side by side, each on its own (one failing must not stop the others):
-    {id: (exit status, its output: what its main_ppo.log holds)}."""
-    root = tmp_path_factory.mktemp("bad")
-
-    def launch(name: str) -> tuple[int, str]:
-        command = train_command(assets, root / name, 1, BAD_CONFIGS[name][0])
-        return run_logged(command.cmd, command.env, command.log_path, timeout=600)
-
-    with ThreadPoolExecutor(len(BAD_CONFIGS)) as pool:
-        return dict(zip(BAD_CONFIGS, pool.map(launch, BAD_CONFIGS)))
-
-
 @pytest.mark.parametrize("name", list(BAD_CONFIGS))
 def test_bad_amir_config_fails_before_training_naming_the_fix(bad_config_runs, name):
-    returncode, log = bad_config_runs[name]
+    returncode, log = bad_config_runs.result()[name]
     assert returncode != 0
     assert re.search(BAD_CONFIGS[name][1], log)
     assert "step:1" not in log and "Loading weights" not in log  # nothing trained, no model loaded
