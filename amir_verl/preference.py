@@ -149,7 +149,7 @@ def mine_preference_pairs(
 
 
 def length_normalised_log_probs(token_log_probs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """l(o) = (1/|o|) * sum_t log pi(o_t | q, o_<t) over the response tokens.
+    """``l(o) = (1/|o|) * sum_t log pi(o_t | q, o_<t)`` over the response tokens.
 
     Args:
         token_log_probs: (N, T) per-token log-probabilities (padding positions may hold anything finite).

@@ -280,9 +280,9 @@ def gradient_signal(
     The policy loss is evaluated at log_prob = old_log_probs (a leaf requiring grad) and differentiated
     by autograd, so the gradient is exact for any registered loss and aggregation. The preference
     gradient is analytic: -J_pref depends on token t of sequence k only through l_k, so
-    d(-J_pref)/dlogp_kt = -(1/P) dF/ds_k / |o_k| with F the sum of the f_k of
+    ``d(-J_pref)/dlogp_kt = -(1/P) dF/ds_k / |o_k|`` with F the sum of the f_k of
     :func:`amir_verl.preference.pair_log_likelihood_per_sequence`, and its squared L2 norm over the
-    tokens is (1/P^2) sum_k (dF/ds_k)^2 / |o_k|.
+    tokens is ``(1/P^2) sum_k (dF/ds_k)^2 / |o_k|``.
     """
     pg_loss, pg_grad_norm = policy_gradient_at_old(policy_loss_fn, old_log_probs, advantages, response_mask, chunked,
                                                    rollout_is_weights)
