@@ -1,7 +1,7 @@
 """The ``amir`` config namespace: every AMIR hyper-parameter, its default and its check (no verl import).
 
 The defaults here are the only ones: ``recipes/config/amir_trainer.yaml`` repeats them for hydra
-and the README's key table, written by hand, repeats :func:`describe_keys`; tests/test_config.py checks
+and the key table of docs/usage.md, written by hand, repeats :func:`describe_keys`; tests/test_config.py checks
 that both stay equal to the dataclass.
 """
 
@@ -19,7 +19,7 @@ CONFIG_NAMESPACE = "amir"
 
 # The keys whose null means "this rule's default". loss_ratio: the official code's constants
 # (AMIR-GRPO Train/trainer.py: lambda 0.01 in [0.005, 0.05], band 0.30-0.70). grad_share: chosen from
-# the measured share against lambda on the CPU toy task (README, "Adaptive lambda").
+# the measured share against lambda on the CPU toy task (docs/method.md, "Adaptive lambda").
 RULE_KEYS = ("lambda_init", "lambda_min", "lambda_max", "target_ratio_low", "target_ratio_high")
 RULE_DEFAULTS = {
     "grad_share": {"lambda_init": 0.5, "lambda_min": 0.05, "lambda_max": 5.0,

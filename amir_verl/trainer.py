@@ -130,7 +130,7 @@ def describe_update_semantics(config: DictConfig, base_mode: str) -> str | None:
             f"AMIR: {mini_batches} mini-batch(es) x {epochs} epoch(s) per {update}: each sequence's pair terms use "
             "its current log-prob against its partners' log-probs frozen at the start of the update (like the "
             f"advantages); the term is exact only for the first optimizer step. Each {update} weighs it by the "
-            "number of mini-batches (README, 'Mini-batches and epochs')."
+            "number of mini-batches (docs/schedules.md, 'Mini-batches and epochs')."
         )
     return " ".join(lines) or None
 

@@ -1,5 +1,5 @@
 """Every paper recipe composes against verl 0.9.1's own config and passes verl's validation (no launch); the
-official-run recipes match the README's table "The official run, point by point" row by row; the Gemma-3 LoRA
+official-run recipes match the table "The official run, point by point" (docs/paper.md) row by row; the Gemma-3 LoRA
 targets wrap the language model only."""
 
 import copy
@@ -220,14 +220,14 @@ def test_official_recipe_composes_and_validates(variant, model, gpus, vllm_lora_
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The README's table "The official run, point by point": one definition, read here, checked against run.sh's configs
+# The table "The official run, point by point" of docs/paper.md: one definition, read here, checked against run.sh's configs
 
 CELL_VALUE = re.compile(r"(?:([\w.\-]+) )?`([^`]*)`")
 
 
 def official_run_table():
-    """The README table's rows: dicts with the six cells, by header."""
-    text = (ROOT / "README.md").read_text()
+    """The table's rows (docs/paper.md): dicts with the six cells, by header."""
+    text = (ROOT / "docs" / "paper.md").read_text()
     section = text.split("### The official run, point by point", 1)[1]
     lines = section[section.index("\n|"):].strip().splitlines()
     table = []
@@ -308,7 +308,7 @@ def test_official_run_table_matches_the_recipes(model, column, variants):
             actual = effective_value(launched_config(model, variant), key)
             assert actual == expected and type(actual) is type(expected) or (
                 isinstance(actual, (int, float)) and not isinstance(actual, bool) and actual == expected
-            ), f"{column}, {model} {variant}: {key} is {actual!r}, the README's table says {expected!r}"
+            ), f"{column}, {model} {variant}: {key} is {actual!r}, docs/paper.md's table says {expected!r}"
 
 
 @pytest.mark.parametrize("model", RUN_MODELS)
@@ -321,11 +321,11 @@ def test_official_run_table_lists_every_difference(model):
         changed = set(differences(OmegaConf.to_container(launched_config(model, paper, resolve=False)),
                                   OmegaConf.to_container(launched_config(model, official, resolve=False))))
         changed -= named_after_run
-        assert changed - keys == set(), f"{paper} vs {official}: not in the README's table"
+        assert changed - keys == set(), f"{paper} vs {official}: not in docs/paper.md's table"
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Gemma-3-4b-it: what verl 0.9.1 loads, and where the recipes' LoRA keys put adapters (README, "Gemma-3-4b-it")
+# Gemma-3-4b-it: what verl 0.9.1 loads, and where the recipes' LoRA keys put adapters (docs/paper.md, "Gemma-3-4b-it")
 
 
 def tiny_gemma3_config():

@@ -1,5 +1,5 @@
 """The settings every verl run on the CPU backend needs, defined once: the demo (:mod:`amir_verl.demo`), the
-paper pipeline (:mod:`amir_verl.paper_pipeline`) and the tests take them from here, and the README points here.
+paper pipeline (:mod:`amir_verl.paper_pipeline`) and the tests take them from here, and docs/cpu_backend.md points here.
 
 None of them changes the algorithm: the ``hf`` rollout instead of vLLM, float32 and PyTorch's sdpa attention
 instead of bf16 and flash-attention, FSDP2, one worker process where verl would start several, and a Ray of

@@ -318,7 +318,7 @@ def merge(work: Path, variants: list[str], size: Size) -> dict[str, Path]:
 
 
 def evaluate(work: Path, pairs: list[tuple[str, str]], merged: dict[str, Path], tokenizer: Path) -> dict[str, Evaluated]:
-    """The README's step 3 and 4 commands on the produced dumps and models; returns {analysis: its output, or
+    """The evaluation commands of docs/evaluation.md on the produced dumps and models; returns {analysis: its output, or
     why it had nothing to measure}. Another failure of amir-eval stops the pipeline. A pair's analyses run side
     by side (each is one process, most of it imports), but ``perplexity`` after ``margin``: it reuses the
     response scores ``margin`` leaves in the score cache."""

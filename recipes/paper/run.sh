@@ -5,7 +5,7 @@
 #     MODEL    qwen2.5-3b | qwen2.5-7b | gemma-3-4b   (or any HF path via MODEL_PATH=...)
 #     VARIANT  grpo | amir_grpo | gspo | amir_gspo       the paper's recipes (paper_VARIANT.yaml)
 #              official_grpo | official_amir_grpo        the official AMIR-GRPO run's settings (paper_official_*.yaml;
-#                                                        README, "The official run, point by point"; needs bitsandbytes)
+#                                                        docs/paper.md, "The official run, point by point"; needs bitsandbytes)
 #   a model's own settings come from config/paper_model/MODEL.yaml where there is one (gemma-3-4b: LoRA off the
 #   vision tower).
 #   environment: NGPUS (per node, default 8), NNODES (default 1), AMIR_DATA (parquet root, default

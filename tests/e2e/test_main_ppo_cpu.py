@@ -32,7 +32,7 @@ from amir_verl.demo.toy_task import make_assets
 from amir_verl.run_config import amir_overrides
 from amir_verl.metrics import LAMBDA, MARGIN, NUM_PAIRS, PAIR_ACCURACY, PAIRED_SEQUENCES_MIN, PREFIX, PREF_LOSS, PREF_TERM, PREF_TERM_MIN, REWARD, ROLLOUT_PROBS_DIFF_MAX
 from tests.e2e.support import BAD_CONFIGS, BASE_METRICS, assert_same, train_command, train_side_by_side
-from tests.support import README, readme_commands, sigint_as_from_a_terminal
+from tests.support import REPO, readme_commands, sigint_as_from_a_terminal
 
 pytestmark = pytest.mark.e2e
 
@@ -171,18 +171,17 @@ def read_jsonl(path: Path) -> dict[int, dict]:
 
 def readme_demo() -> tuple[list[str], int, str]:
     """The README's demo command (its first code block's first command, after the install), the steps it
-    trains, and the table the README's Quickstart section says it prints."""
+    trains, and the table the demo's page (docs/quickstart.md) says it prints."""
     demo = readme_commands()[0].split("&&")[-1].split()
     assert demo[:3] == ["python", "-m", "amir_verl.demo.quickstart"], demo
-    section = README.read_text().split("## Quickstart on a CPU", 1)[1]
-    table = re.search(r"^\| run \| steps \|.*?(?=\n\n)", section, re.S | re.M)[0]
+    table = re.search(r"^\| run \| steps \|.*?(?=\n\n)", (REPO / "docs" / "quickstart.md").read_text(), re.S | re.M)[0]
     return [sys.executable, *demo[1:]], DEFAULT_STEPS, table
 
 
 def test_the_readmes_demo_prints_the_readmes_table_on_a_quiet_console_and_its_grpo_is_stock_grpo(tmp_path):
     """The demo as a newcomer runs it, the README's command verbatim (CI's run of it: ``.ci/run`` runs only the
     tests): exit 0, no traceback anywhere, one console line per step, both runs from the same model, seeds and
-    data order (identical step-1 rollouts), the plot, and the table the README shows, byte for byte.
+    data order (identical step-1 rollouts), the plot, and the table its page (docs/quickstart.md) shows, byte for byte.
 
     Its ``grpo`` run is the AMIR trainer with lambda fixed at 0; stock GRPO with the same overrides (no AMIR
     keys) matches its first 3 steps, so the demo's GRPO is GRPO and its margin is GRPO's."""
@@ -213,7 +212,7 @@ def test_the_readmes_demo_prints_the_readmes_table_on_a_quiet_console_and_its_gr
     assert (workdir / "quickstart.png").read_bytes()[:4] == b"\x89PNG"
     printed = (workdir / "summary.md").read_text().strip()
     assert printed in out
-    assert printed == readme_table, f"the demo printed\n{printed}\nthe README shows\n{readme_table}"
+    assert printed == readme_table, f"the demo printed\n{printed}\ndocs/quickstart.md shows\n{readme_table}"
     summary = run_figures.read_summary(workdir)  # what the study reads: the table's figures
     figures = summary["runs"]
     for row in printed.splitlines()[2:]:
