@@ -72,12 +72,17 @@ class StepBatch:
     old_log_probs: list[torch.Tensor]  # per sample, response length
     ref_log_probs: list[torch.Tensor]
     advantages: list[torch.Tensor]
+    # per sample, response length: 0 on tokens the loss must skip inside a response (the tool outputs of a
+    # multi-turn agent loop, which verl's agent loop masks out of response_mask); None: every token counts
+    masks: list[torch.Tensor] | None = None
 
     def __len__(self):
         return len(self.uids)
 
     def response_mask(self, i: int) -> torch.Tensor:
-        return torch.zeros(len(self.responses[i])) if self.is_padding[i] else torch.ones(len(self.responses[i]))
+        if self.is_padding[i]:
+            return torch.zeros(len(self.responses[i]))
+        return self.masks[i].clone() if self.masks is not None else torch.ones(len(self.responses[i]))
 
 
 def response_log_probs(model, prompt, response) -> torch.Tensor:
@@ -88,10 +93,12 @@ def response_log_probs(model, prompt, response) -> torch.Tensor:
 
 def make_step_batch(
     model, ref_model, group_sizes, *, seed=0, reward_values=(0.0, 0.25, 1.0, 1.1, 1.35), num_padding=0,
-    empty_response_at=None, max_response=10,
+    empty_response_at=None, max_response=10, tool_outputs=False,
 ) -> StepBatch:
     """Random groups of ``group_sizes`` (one prompt each), old/ref log-probs from the two models, and
-    GRPO advantages from verl's estimator; ``num_padding`` filler samples as verl's upsampling adds."""
+    GRPO advantages from verl's estimator; ``num_padding`` filler samples as verl's upsampling adds.
+    ``tool_outputs``: a run of tokens inside each response of 4 or more tokens is a tool's output, mask 0 (as
+    verl's tool agent loop leaves it), between the model's own tokens; the last token is always the model's."""
     rng = random.Random(seed)
     prompts, responses, rewards, uids, keys, pad = [], [], [], [], [], []
     for g, size in enumerate(group_sizes):
@@ -115,17 +122,24 @@ def make_step_batch(
         uids.append(pad_uid)
         keys.append(f"{pad_uid}_{s}_0")
         pad.append(True)
-    return complete_step_batch(model, ref_model, prompts, responses, rewards, uids, keys, pad)
+    masks = None
+    if tool_outputs:
+        masks = [torch.ones(len(r)) for r in responses]
+        for mask in masks:
+            if len(mask) >= 4:
+                start = rng.randint(1, len(mask) - 3)
+                mask[start : rng.randint(start + 1, len(mask) - 1)] = 0
+    return complete_step_batch(model, ref_model, prompts, responses, rewards, uids, keys, pad, masks)
 
 
-def complete_step_batch(model, ref_model, prompts, responses, rewards, uids, keys, pad) -> StepBatch:
+def complete_step_batch(model, ref_model, prompts, responses, rewards, uids, keys, pad, masks=None) -> StepBatch:
     """The :class:`StepBatch` of these samples: old log-probs from ``model`` (the weights the update starts
     from), reference log-probs from ``ref_model``, GRPO advantages from verl's estimator."""
     with torch.no_grad():
         old = [response_log_probs(model, p, r) for p, r in zip(prompts, responses)]
         ref = [response_log_probs(ref_model, p, r) for p, r in zip(prompts, responses)]
     rewards_t = torch.tensor(rewards, dtype=torch.float64)
-    batch = StepBatch(prompts, responses, rewards_t, uids, keys, pad, old, ref, [])
+    batch = StepBatch(prompts, responses, rewards_t, uids, keys, pad, old, ref, [], masks)
     # GRPO advantages with verl's estimator on the padded layout (reward on the last response token)
     width = max(1, max(len(r) for r in responses))
     mask = torch.zeros(len(uids), width)
@@ -329,14 +343,15 @@ def brute_force_pref_objective(model, ref_model_logps, batch: StepBatch, amir: A
     """
     l_theta, l_frozen, l_ref = {}, {}, {}
     for i in range(len(batch)):
-        m = batch.response_mask(i)
+        m = batch.response_mask(i).to(torch.float64)
         if m.sum() == 0:
             continue
+        # the model's own tokens only: a masked (tool output) token is neither summed nor counted in |o|
         lp = response_log_probs(model, batch.prompts[i], batch.responses[i])
-        l_theta[i] = lp.sum() / len(lp)
+        l_theta[i] = (lp * m).sum() / m.sum()
         if frozen_partner_log_probs is not None:
-            l_frozen[i] = float(frozen_partner_log_probs[i].sum() / len(lp))
-        l_ref[i] = 0.0 if amir.reference_free else float(ref_model_logps[i].sum() / len(lp))
+            l_frozen[i] = float((frozen_partner_log_probs[i] * m).sum() / m.sum())
+        l_ref[i] = 0.0 if amir.reference_free else float((ref_model_logps[i] * m).sum() / m.sum())
     terms = []
     for i in l_theta:
         for j in l_theta:

@@ -6,6 +6,7 @@ step batch across data-parallel ranks and micro-batches must equal the gradient 
 computed by its definition, for any base loss of verl's registry under ``loss_mode=amir``.
 """
 
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -147,6 +148,32 @@ def test_gradient_equals_brute_force(models, base, reference, layout):
     # the shares of all micro-batches add up to the whole loss, preference term included
     total = sum(float(loss) for loss, _ in outputs) / layout.dp
     assert total == pytest.approx(base_value + LAMBDA * -float(j_pref), rel=1e-9, abs=1e-12)
+
+
+TOOL_OUTPUT_LAYOUTS = [LAYOUTS[1], LAYOUTS[2], LAYOUTS[5]]  # micro-batches, two ranks, dynamic batch size
+
+
+@pytest.mark.parametrize("base", [("vanilla", "token-mean"), ("gspo", "seq-mean-token-mean")], ids=["grpo", "gspo"])
+@pytest.mark.parametrize("layout", TOOL_OUTPUT_LAYOUTS)
+def test_tool_output_tokens_inside_responses_are_left_out_exactly(models, base, layout):
+    """Multi-turn agent loops: verl's agent loop sets response_mask to 0 on a tool's output between the model's
+    turns. l(o) and |o| then run over the model's own tokens only, in the driver's fields and in the actor's loss:
+    the update equals the brute force whose l(o) is the masked mean, and differs from one that counts every token."""
+    model, _ = models
+    batch = make_step_batch(*models, [6, 1, 5, 4, 4], seed=21, num_padding=4, tool_outputs=True, max_response=12)
+    holes = sum(int((batch.response_mask(i) == 0).sum()) for i in range(len(batch)) if not batch.is_padding[i])
+    assert holes > 10
+    amir = AmirConfig(delta_r=0.5, beta_dpo=0.5)
+    fields = amir_step_fields(batch, amir)
+    assert fields.num_pairs > 0
+    config = base_config(*base)
+    expected, j_pref, _ = brute_force_gradient(model, batch, amir, config, LAMBDA)
+    actual, _ = amir_update(model, batch, amir, config, layout, fields)
+    assert fields.stats.pref_loss == pytest.approx(-float(j_pref), rel=1e-10)
+    assert_grads_close(actual, expected)
+
+    every_token = brute_force_pref_objective(model, batch.ref_log_probs, replace(batch, masks=None), amir)
+    assert abs(float(every_token) - float(j_pref)) > 1e-3  # the masks matter: a test that ignored them would fail
 
 
 @pytest.mark.parametrize("base_mode,agg,layout", ANY_BASE_CASES)
