@@ -4,9 +4,11 @@ or model starts.
 
 The checks run on the driver inside verl's ``validate_config`` (wrapped by :func:`install_early_config_check`,
 so ``main_ppo`` stops before Ray starts): :func:`check_any_run` for every verl run with the plugin installed
-(an attention implementation that cannot load; a LoRA rollout that would never see its adapter), then
-:func:`check_amir_run` for an AMIR run, whose :func:`validate_amir_run` the AMIR trainers' ``__init__`` repeats
-(for code that builds a trainer without ``main_ppo``).
+(a LoRA adapter verl would ignore; warnings only for an attention package missing where the driver runs and for a
+LoRA rollout that would never see its adapter), then :func:`check_amir_run` for an AMIR run, whose
+:func:`validate_amir_run` the AMIR trainers' ``__init__`` repeats (for code that builds a trainer without
+``main_ppo``). What depends on the packages installed where the model loads is checked there, in the worker, before
+the model loads (:func:`install_worker_checks`: AMIR runs only).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import functools
 import importlib.util
 import json
 import logging
+import socket
 import warnings
 from pathlib import Path
 
@@ -50,13 +53,16 @@ AMIR_TRAINER_MODE_KEY = "trainer.v1.trainer_mode"
 def amir_overrides(loss_mode: str = "amir_grpo", *, trainer_mode: str = AMIR_TRAINER_MODE, **amir: object) -> list[str]:
     """The overrides that turn verl's GRPO (or GSPO) run into AMIR, as the README states them: the loss mode,
     the trainer mode (``trainer_mode`` picks the schedule, a key of :data:`AMIR_TRAINER_MODES`), the
-    reference log-probs that ``amir.reference=ref`` reads, and ``amir.<key>=<value>`` for each of ``amir``."""
+    reference log-probs that ``amir.reference=ref`` reads (``use_kl_loss=True``, with ``kl_loss_coef=0.0`` so
+    that no KL term joins a run that had none: verl's default coefficient is 0.001), and ``amir.<key>=<value>``
+    for each of ``amir``. A run with a KL loss of its own keeps its coefficient by giving it after these."""
     if loss_mode not in AMIR_LOSS_MODES or trainer_mode not in AMIR_TRAINER_MODES:
         raise ValueError(f"not an AMIR loss mode and trainer mode: {loss_mode!r}, {trainer_mode!r}")
     return [
         f"{LOSS_MODE_KEY}={loss_mode}",
         f"{AMIR_TRAINER_MODE_KEY}={trainer_mode}",
         "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_coef=0.0",
     ] + [f"+{CONFIG_NAMESPACE}.{k}={v}" for k, v in amir.items()]
 
 
@@ -64,7 +70,8 @@ logger = logging.getLogger(__name__)
 
 # attn_implementation -> the package transformers needs to load a model with it (its import name, the install)
 ATTENTION_PACKAGES = {
-    "flash_attention_2": ("flash_attn", 'pip install -e ".[gpu]", whose verl[fsdp] pins flash-attn 2.8.3'),
+    "flash_attention_2": ("flash_attn", "pip install flash-attn==2.8.3 --no-build-isolation once torch is installed, "
+                                        "the version verl[fsdp] pins"),
     "flash_attention_3": ("flash_attn_interface", "build FlashAttention 3 from the flash-attention repository's hopper/"),
 }
 # verl 0.9.1's default (HFModelConfig.__post_init__: override_config.get("attn_implementation", "flash_attention_2"))
@@ -72,11 +79,34 @@ VERL_DEFAULT_ATTENTION = "flash_attention_2"
 LORA_SYNC_ISSUE = "verl issue 7495: https://github.com/verl-project/verl/issues/7495"
 
 
+FSDP_STRATEGIES = ("fsdp", "fsdp2")  # verl's FSDP engine: the only one AMIR's actor loss is written and checked for
+
+
+def missing_attention_package(key: str, model, where: str) -> str | None:
+    """Why the FSDP model configured at ``key`` (``model``: that node) cannot load in this process, or None:
+    verl builds every FSDP model config with ``override_config.attn_implementation``, flash_attention_2 by default
+    (pinned in tests/test_verl_seams.py), and transformers refuses to load the model without its package.
+    ``where`` says which process looked (the package is looked for here only)."""
+    override = model.get("override_config") or {}
+    attention = override.get("attn_implementation", VERL_DEFAULT_ATTENTION)
+    if attention not in ATTENTION_PACKAGES:
+        return None
+    package, install = ATTENTION_PACKAGES[attention]
+    if importlib.util.find_spec(package) is not None:
+        return None
+    default = " (verl's default)" if "attn_implementation" not in override else ""
+    return (f"{key} loads with attn_implementation={attention}{default}, but the {package} package is not installed "
+            f"{where}: install it ({install}), or run with PyTorch's attention: "
+            f"+{key}.override_config.attn_implementation=sdpa")
+
+
 def check_attention_loads(config: DictConfig) -> None:
-    """Refuse, on the driver, a run whose FSDP models ask for an attention implementation whose package is not
-    installed: verl builds every model config with ``override_config.attn_implementation``, flash_attention_2 by
-    default, and transformers refuses to load the model without flash-attn, in each worker, deep inside Ray.
-    The package is looked for here, where the driver runs; verl's workers run in the same environment."""
+    """Warn, on the driver, when this process lacks the attention package of a FSDP model of the run, AMIR or not.
+
+    Only a warning: the models load in verl's workers, whose environment on a cluster need not be the driver's
+    (``ray job submit`` runs the entrypoint on the head node, a multi-node job is launched from a login node).
+    An AMIR run's worker checks its own environment before loading (:func:`install_worker_checks`); any other
+    run is left to verl and transformers."""
     from verl.trainer.ppo.utils import need_critic  # imports the trainer stack: not at plugin load
 
     models = {"actor_rollout_ref.model": "actor_rollout_ref.actor.strategy"}  # model key -> its engine's strategy
@@ -85,20 +115,51 @@ def check_attention_loads(config: DictConfig) -> None:
         if need_critic(config):
             models["critic.model"] = "critic.strategy"
     for key, strategy_key in models.items():
-        if OmegaConf.select(config, strategy_key, default="fsdp") not in ("fsdp", "fsdp2"):
+        if OmegaConf.select(config, strategy_key, default="fsdp") not in FSDP_STRATEGIES:
             continue  # other engines choose attention themselves
-        override = OmegaConf.select(config, f"{key}.override_config", default=None) or {}
-        attention = override.get("attn_implementation", VERL_DEFAULT_ATTENTION)
-        if attention not in ATTENTION_PACKAGES:
-            continue
-        package, install = ATTENTION_PACKAGES[attention]
-        if importlib.util.find_spec(package) is None:
-            default = " (verl's default)" if "attn_implementation" not in override else ""
-            raise ValueError(
-                f"{key} loads with attn_implementation={attention}{default}, but the {package} package is not "
-                f"installed, so every worker would fail loading the model: install it ({install}), or run with "
-                f"PyTorch's attention: +{key}.override_config.attn_implementation=sdpa"
-            )
+        problem = missing_attention_package(key, OmegaConf.select(config, key),
+                                            "where the driver runs (a worker without it cannot load the model)")
+        if problem is not None:
+            logger.warning("amir-verl: %s", problem)
+
+
+def check_worker_attention(actor_rollout_ref: DictConfig, where: str | None = None) -> None:
+    """In the worker about to load an AMIR run's actor (and reference) model: raise ``ValueError`` naming the
+    package and the fix when this process lacks the package of the model's attention implementation. Other
+    runs, and other engines: nothing (transformers reports it for them)."""
+    if OmegaConf.select(actor_rollout_ref, "actor.policy_loss.loss_mode", default="vanilla") not in AMIR_LOSS_MODES:
+        return
+    if OmegaConf.select(actor_rollout_ref, "actor.strategy", default="fsdp") not in FSDP_STRATEGIES:
+        return
+    where = where or f"on this worker (host {socket.gethostname()})"
+    problem = missing_attention_package("actor_rollout_ref.model", actor_rollout_ref.model, where)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def install_worker_checks(engine_workers) -> None:
+    """Wrap ``ActorRolloutRefWorker.init_model`` (``engine_workers``: ``verl.workers.engine_workers``) so that
+    an actor or reference worker runs :func:`check_worker_attention` before verl builds its models there.
+
+    ``init_model`` is the first method the trainer calls on the worker (``PPOTrainer.init_workers``), and the
+    worker builds its FSDP models in it (``TrainingWorker`` per role); the AMIR loss arrives later
+    (``set_loss_fn``, after every ``init_model``). The plugin installs this with a post-import hook in every
+    process, so the Ray worker's class carries it; verl's ``WorkerDict`` calls the method by name. A standalone
+    rollout worker (role ``rollout``) loads no FSDP model and is not checked. Pinned in
+    tests/test_verl_seams.py."""
+    cls = engine_workers.ActorRolloutRefWorker
+    upstream = cls.init_model
+    if getattr(upstream, "_amir_checked", False):
+        return
+
+    @functools.wraps(upstream)  # keeps verl's @register dispatch attributes
+    def init_model(self, *args, **kwargs):
+        if getattr(self, "_is_actor", True) or getattr(self, "_is_ref", True):
+            check_worker_attention(self.config)
+        return upstream(self, *args, **kwargs)
+
+    init_model._amir_checked = True
+    cls.init_model = init_model
 
 
 def lora_sync_without_adapter(config: DictConfig) -> str | None:
@@ -113,7 +174,7 @@ def lora_sync_without_adapter(config: DictConfig) -> str | None:
     merge = bool((model.get("lora") or {}).get("merge", False))
     backend = OmegaConf.select(config, "actor_rollout_ref.rollout.checkpoint_engine.backend", default="naive")
     strategy = OmegaConf.select(config, "actor_rollout_ref.actor.strategy", default="fsdp")
-    if rank > 0 and not merge and backend != "naive" and strategy in ("fsdp", "fsdp2"):
+    if rank > 0 and not merge and backend != "naive" and strategy in FSDP_STRATEGIES:
         return (f"actor_rollout_ref.model.lora_rank={rank} with actor_rollout_ref.model.lora.merge=False under "
                 f"actor_rollout_ref.rollout.checkpoint_engine.backend={backend}: verl 0.9.1 syncs such a rollout "
                 f"with the base weights only, never the adapter ({LORA_SYNC_ISSUE}), so it would generate with the "
@@ -130,7 +191,7 @@ def check_lora_adapter_path(config: DictConfig) -> None:
     rank 0 the adapter would be ignored and full weights would train against themselves as the reference."""
     model = config.actor_rollout_ref.model
     path = model.get("lora_adapter_path")
-    if path is None or OmegaConf.select(config, "actor_rollout_ref.actor.strategy", default="fsdp") not in ("fsdp", "fsdp2"):
+    if path is None or OmegaConf.select(config, "actor_rollout_ref.actor.strategy", default="fsdp") not in FSDP_STRATEGIES:
         return
     rank, alpha = model.get("lora_rank", 0) or 0, model.get("lora_alpha")
     saved = Path(str(path)) / "adapter_config.json"
@@ -147,10 +208,10 @@ def check_lora_adapter_path(config: DictConfig) -> None:
 
 
 def check_any_run(config: DictConfig) -> None:
-    """What stops any verl run on the driver with the plugin installed, AMIR or not: an attention
-    implementation that cannot load, a LoRA adapter to start from that verl would ignore or mis-size; a LoRA
-    rollout that would never see its adapter is an error for AMIR runs (:func:`validate_amir_run`) and a
-    warning for others."""
+    """What stops any verl run on the driver with the plugin installed, AMIR or not: a LoRA adapter to start
+    from that verl would ignore or mis-size. Warnings: an attention package missing where the driver runs
+    (:func:`check_attention_loads`), and, for runs that are not AMIR, a LoRA rollout that would never see its
+    adapter (an error for AMIR runs: :func:`validate_amir_run`)."""
     check_attention_loads(config)
     check_lora_adapter_path(config)
     reason = lora_sync_without_adapter(config)
@@ -209,6 +270,13 @@ def validate_amir_run(config: DictConfig) -> AmirConfig:
             f"the AMIR trainer needs {LOSS_MODE_KEY} in {AMIR_LOSS_MODES} (`amir` with "
             f"+{CONFIG_NAMESPACE}.base_loss_mode, or the paper's amir_grpo / amir_gspo), got {loss_mode!r}"
         )
+    strategy = config.actor_rollout_ref.actor.get("strategy", "fsdp")
+    if strategy not in FSDP_STRATEGIES:
+        # AMIR's actor loss (amir_verl.actor_loss), its weight and normalisation are written and checked for verl's
+        # FSDP engine only: Megatron's loss scaling, pipeline and context parallelism never were
+        raise ValueError(f"actor_rollout_ref.actor.strategy={strategy}: AMIR supports verl's FSDP engine only "
+                         "(fsdp, fsdp2); run it from verl's ppo_trainer config (not ppo_megatron_trainer) with "
+                         "actor_rollout_ref.actor.strategy=fsdp2")
     amir = AmirConfig.from_mapping(config.get(CONFIG_NAMESPACE))
     resolve_base_loss_mode(loss_mode, amir)
     rollout_correction = config.get("algorithm", {}).get("rollout_correction", None)
@@ -225,7 +293,7 @@ def validate_amir_run(config: DictConfig) -> AmirConfig:
         )
     model = config.actor_rollout_ref.model
     megatron_lora_rank = (model.get("lora") or {}).get("rank", 0) or 0
-    if (config.actor_rollout_ref.actor.get("strategy") in ("fsdp", "fsdp2") and megatron_lora_rank > 0
+    if (config.actor_rollout_ref.actor.get("strategy") in FSDP_STRATEGIES and megatron_lora_rank > 0
             and not model.get("lora_rank", 0)):
         # verl 0.9.1: FSDPEngine reads only model.lora_rank, while the V1 trainer's ref_in_actor also reads
         # model.lora.rank (PPOTrainer._setup, _init_resource_pool_mgr): full weights would train, and the

@@ -7,8 +7,11 @@ the CPU backend (:mod:`amir_verl.cpu`; heavy, only under that switch). It then w
 verl's registries lazily: a post-import hook (``wrapt.register_post_import_hook``) on each verl module
 that owns a registry imports the AMIR module that registers there, once that verl module has finished
 importing, or at once when it already has. A lookup has to import the registry's module first, so the
-entries are there whenever verl can look them up, in every process (:data:`REGISTRATIONS`). One more hook,
-on verl's RL dataset, reports per benchmark the prompts its length filter drops (:mod:`amir_verl.prompt_filter`).
+entries are there whenever verl can look them up, in every process (:data:`REGISTRATIONS`). Two more hooks: on
+verl's workers, the check of an AMIR run's worker before its model loads
+(:func:`amir_verl.run_config.install_worker_checks`); on verl's RL dataset, a report per benchmark of the prompts its
+length filter drops (:mod:`amir_verl.prompt_filter`). Under ``AMIR_VERL_CPU=1`` a process that sees a CUDA device
+stops here (``SystemExit``, which verl's loader does not swallow) with one line naming the variable.
 
 verl swallows plugin import errors at DEBUG level, so a failure here would only show up later as
 "Unsupported loss mode"; ``python -m amir_verl.verl_plugin`` imports it loudly to check an install.
@@ -20,9 +23,14 @@ import os
 import wrapt
 
 if os.environ.get("AMIR_VERL_CPU", "") == "1":  # debug on CPU: explicit opt-in, never on a GPU run
-    from amir_verl.cpu import activate_cpu_backend
+    from amir_verl.cpu import AcceleratorVisible, activate_cpu_backend
 
-    activate_cpu_backend()
+    try:
+        activate_cpu_backend()
+    except AcceleratorVisible as refused:
+        # verl's plugin loader catches every Exception (logged at DEBUG): the process would go on without the plugin.
+        # SystemExit passes through it, and the interpreter prints the one line and exits 1, before any model loads.
+        raise SystemExit(f"amir-verl: {refused}") from None
 
 from amir_verl.run_config import install_early_config_check  # noqa: E402
 
@@ -48,6 +56,11 @@ def _importer(module_name: str):
 
 for _verl_module, _amir_module in REGISTRATIONS.items():
     wrapt.register_post_import_hook(_importer(_amir_module), _verl_module)
+
+# Not a registry: in the worker that loads an AMIR run's actor, the attention package is checked before the model
+# loads (the driver only warns: on a cluster its environment is not the workers').
+wrapt.register_post_import_hook(lambda module: importlib.import_module("amir_verl.run_config").install_worker_checks(module),
+                                "verl.workers.engine_workers")
 
 # Not a registry: a line per benchmark of how many prompts filter_overlong_prompts dropped (amir_verl.prompt_filter).
 wrapt.register_post_import_hook(lambda module: importlib.import_module("amir_verl.prompt_filter").install(module),

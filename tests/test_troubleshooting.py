@@ -21,6 +21,7 @@ CHECKED_MODULES = (run_config, amir_config)
 NOT_CONFIG_ERRORS = {"amir_overrides"}
 # this machine has no flash-attn: the examples run with PyTorch's attention, as the page says a user without it does
 QUIET_ATTENTION = "+actor_rollout_ref.model.override_config.attn_implementation=sdpa"
+WORKER = "on this worker (host HOST)"  # where the worker's message says it ran, as the page shows it
 
 
 def entries() -> list[dict]:
@@ -51,8 +52,9 @@ def refusal(entry: dict, tmp_path: Path) -> tuple[str, tuple[str, int]]:
     overrides = [o.replace("ADAPTER_R8", str(adapter)) for o in entry["overrides"]]
     config = compose_verl(GRPO + [QUIET_ATTENTION] + overrides, name=entry["config"])
     try:
-        run_config.check_any_run(config)
+        run_config.check_any_run(config)  # the driver's checks, in verl's validate_config
         run_config.check_amir_run(config)
+        run_config.check_worker_attention(config.actor_rollout_ref, where=WORKER)  # the actor worker's, before init
     except ValueError as error:
         frame = traceback.extract_tb(error.__traceback__)[-1]
         message = str(error).replace(str(adapter), "ADAPTER_R8")

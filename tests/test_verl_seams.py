@@ -66,6 +66,10 @@ SEAMS = {
     "no_padding_2_padding": (no_padding_2_padding, "0868d5c4731b66ac", "response log-prob layout in the loss"),
     "ActorRolloutRefWorker.set_loss_fn": (engine_workers.ActorRolloutRefWorker.set_loss_fn, "a655a9cfc08a64fd",
                                           "installs amir_ppo_loss on every actor rank"),
+    "ActorRolloutRefWorker.init_model": (
+        inspect.unwrap(engine_workers.ActorRolloutRefWorker.init_model), "d1598903d82449f2",
+        "wrapped (run_config.install_worker_checks): the worker builds its actor and reference models in it, the "
+        "first call the trainer makes on the worker, so an AMIR worker's attention check runs before any model loads"),
     "TrainingWorker.set_loss_fn": (engine_workers.TrainingWorker.set_loss_fn, "e9304c63648d4e83",
                                    "the loss used by train_batch"),
     "need_reference_policy": (need_reference_policy, "b8a793a391c04714", "when verl computes ref_log_prob"),
@@ -79,7 +83,7 @@ SEAMS = {
                          "end-to-end probe's worker_process_setup_hook (tests/e2e/probe.py) reach Ray as given"),
     "HFModelConfig.__post_init__": (HFModelConfig.__post_init__, "a18620cfff22adeb",
                                     "override_config.attn_implementation, default flash_attention_2, is what every "
-                                    "FSDP model loads with (run_config.check_attention_loads)"),
+                                    "FSDP model loads with (run_config.missing_attention_package)"),
     "ActorRolloutRefWorker.update_weights": (
         engine_workers.ActorRolloutRefWorker.update_weights, "ea8f2ec1eb8a4481",
         "a non-naive checkpoint engine gets get_per_tensor_param()'s weights and not its peft_config: no adapter "

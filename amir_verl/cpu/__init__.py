@@ -17,6 +17,22 @@ SWITCH = "AMIR_VERL_CPU"
 ROLLOUT_NAME = "hf"
 
 
+class AcceleratorVisible(RuntimeError):
+    """The CPU backend was switched on in a process that sees a CUDA device."""
+
+
+def refuse_a_visible_cuda_device() -> None:
+    """Raise :class:`AcceleratorVisible` naming :data:`SWITCH` when this process sees a CUDA device: the switch
+    would move a GPU run onto the CPU platform (every worker, every model) without a word."""
+    import torch
+
+    count = torch.cuda.device_count()
+    if torch.cuda.is_available() or count > 0:
+        raise AcceleratorVisible(
+            f"{SWITCH}=1 switches verl onto amir-verl's CPU backend (debug runs on machines without an accelerator), "
+            f"but this process sees {max(count, 1)} CUDA device(s): unset {SWITCH} to run on the GPU")
+
+
 def _register_hf_adapter(rollout_base) -> None:
     rollout_base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = "amir_verl.cpu.hf_rollout.HFServerAdapter"
 
@@ -38,8 +54,11 @@ def _register_checkpoint_engine(_checkpoint_engine_base) -> None:
 def activate_cpu_backend() -> None:
     """The ``cpu`` platform and its patches, ``hf`` in verl's two rollout registries and the checkpoint engine
     ``cpu_object_store`` (for ``separate_async``), each registered when verl imports the registry's module
-    (the ``hf`` server itself is imported when verl looks it up)."""
+    (the ``hf`` server itself is imported when verl looks it up). Refused in a process that sees a CUDA device
+    (:func:`refuse_a_visible_cuda_device`), before anything is switched."""
     import wrapt
+
+    refuse_a_visible_cuda_device()
 
     from amir_verl.cpu.platform import activate
 

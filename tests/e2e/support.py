@@ -30,7 +30,7 @@ def train_command(assets, workdir: Path, steps: int, extra: list[str], **kwargs)
 # bad configs, each run on its own main_ppo: it must stop on the driver, before Ray starts, naming the fix
 BAD_CONFIGS = dict(zip(
     ["unknown-key", "missing-reference", "missing-trainer-mode", "megatron-lora-key-on-fsdp",
-     "flash-attention-missing", "lora-unmerged-through-checkpoint-engine"],
+     "lora-unmerged-through-checkpoint-engine"],
     [
         (["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "trainer.v1.trainer_mode=amir",
           "+amir.bta_dpo=0.1", "actor_rollout_ref.actor.use_kl_loss=True"], r"amir\.bta_dpo"),
@@ -41,15 +41,14 @@ BAD_CONFIGS = dict(zip(
         (["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "trainer.v1.trainer_mode=amir",
           "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.model.lora.rank=16"],
          r"set actor_rollout_ref\.model\.lora_rank=16"),
-        # a stock GRPO run with verl's default attention, which this machine (no flash-attn) cannot load
-        (["actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2"],
-         r"not installed.*\+actor_rollout_ref\.model\.override_config\.attn_implementation=sdpa"),
         (["actor_rollout_ref.actor.policy_loss.loss_mode=amir_grpo", "trainer.v1.trainer_mode=amir",
           "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.model.lora_rank=8",
           "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_object_store"],
          r"verl issue 7495.*lora\.merge=True"),
     ],
 ))  # {id: (overrides, what the error must say)}: tests/e2e/test_main_ppo_cpu.py's, started by conftest.py
+# (No entry for a missing flash-attn: the driver only warns, its environment need not be the workers'; an AMIR run's
+# worker stops before its model loads: tests/e2e/test_main_ppo_cpu.py's WORKER_WITHOUT_FLASH_ATTN.)
 
 
 

@@ -37,7 +37,9 @@ from tests.support import REPO, readme_commands, sigint_as_from_a_terminal
 pytestmark = pytest.mark.e2e
 
 
-GRPO_BASE = ["actor_rollout_ref.actor.use_kl_loss=True"]
+# stock GRPO: the demo's overrides without any of amir_overrides' (no AMIR key, no reference model, no KL), so that
+# the demo's grpo run differs from it by exactly amir_overrides(...) (quickstart.RUNS)
+GRPO_BASE: list[str] = []
 
 
 @dataclass
@@ -147,6 +149,31 @@ def test_bad_amir_config_fails_before_training_naming_the_fix(bad_config_runs, n
     assert "ray init kwargs" not in log  # stopped on the driver, before Ray started
 
 
+# verl's default attention, whose package (flash-attn) this machine lacks, in the driver and the workers alike
+WORKER_WITHOUT_FLASH_ATTN = ["actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2"]
+
+
+def test_an_amir_run_whose_worker_lacks_flash_attn_stops_in_the_worker_naming_the_package_and_the_fix(assets, tmp_path):
+    """The driver only warns (on a cluster its environment need not be the workers'), and the run goes on to Ray;
+    the actor worker, whose environment lacks the package too, checks before verl builds its models there and stops
+    the run with the same line, naming its host. (A run that is not AMIR gets the warning only: tests/test_cluster_paths.py.)"""
+    from amir_verl.cpu.launch import run_logged
+    from amir_verl.run_config import ATTENTION_PACKAGES
+
+    command = train_command(assets, tmp_path / "run", 1, amir_overrides(beta_dpo=0.5) + WORKER_WITHOUT_FLASH_ATTN)
+    returncode, log = run_logged(command.cmd, command.env, command.log_path, timeout=600)
+    assert returncode != 0
+    install = ATTENTION_PACKAGES["flash_attention_2"][1]
+    line = ("actor_rollout_ref.model loads with attn_implementation=flash_attention_2, but the flash_attn package is "
+            "not installed {where}: install it (" + install + "), or run with PyTorch's attention: "
+            "+actor_rollout_ref.model.override_config.attn_implementation=sdpa")
+    driver = "amir-verl: " + line.format(where="where the driver runs (a worker without it cannot load the model)")
+    assert driver in log and log.index(driver) < log.index("ray init kwargs")  # warned, then went on to start Ray
+    worker = re.escape(line.format(where="on this worker (host @)")).replace("@", "[^)]+")
+    assert re.search(r"WorkerDict\.actor_rollout_ref_init_model\(\)[^\n]*\n(.*\n)*?ValueError: " + worker + "\n", log)
+    assert "Loading weights" not in log and "step:1" not in log  # stopped before any model loaded
+
+
 CALIBRATED = ["reward.reward_manager.name=amir_calibrated", "+reward.reward_kwargs.w_fmt=0.2", "trainer.test_freq=1"]
 
 
@@ -183,8 +210,10 @@ def test_the_readmes_demo_prints_the_readmes_table_on_a_quiet_console_and_its_gr
     tests): exit 0, no traceback anywhere, one console line per step, both runs from the same model, seeds and
     data order (identical step-1 rollouts), the plot, and the table its page (docs/quickstart.md) shows, byte for byte.
 
-    Its ``grpo`` run is the AMIR trainer with lambda fixed at 0; stock GRPO with the same overrides (no AMIR
-    keys) matches its first 3 steps, so the demo's GRPO is GRPO and its margin is GRPO's."""
+    Its ``grpo`` run is the AMIR trainer with lambda fixed at 0, from the documented overrides (``amir_overrides``,
+    whose ``use_kl_loss=True`` computes reference log-probs with ``kl_loss_coef=0.0``); stock GRPO with the same
+    overrides and none of those (no reference, no KL) matches its first 3 steps, so the demo's GRPO is GRPO and its
+    margin is GRPO's."""
     command, steps, readme_table = readme_demo()
     proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     workdir = tmp_path / DEFAULT_WORKDIR
@@ -239,7 +268,8 @@ def test_the_readmes_demo_prints_the_readmes_table_on_a_quiet_console_and_its_gr
     for made in ("model/model.safetensors", "data/train.parquet", "data/test.parquet"):
         assert (workdir / made).read_bytes() == (tmp_path / "stock_assets" / made).read_bytes(), made
     assert not any(key.startswith(PREFIX) for key in stock[1])
-    assert_same(stock, grpo, BASE_METRICS, range(1, stock_steps + 1))
+    assert "actor/kl_loss" not in stock[1]  # stock GRPO computes no KL; the grpo run's is weighted 0
+    assert_same(stock, grpo, [key for key in BASE_METRICS if key != "actor/kl_loss"], range(1, stock_steps + 1))
 
 
 def openmp_settings(process: psutil.Process) -> dict[str, str | None] | None:
