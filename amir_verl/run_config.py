@@ -17,6 +17,7 @@ import functools
 import importlib.util
 import json
 import logging
+import os
 import socket
 import warnings
 from pathlib import Path
@@ -98,6 +99,32 @@ def missing_attention_package(key: str, model, where: str) -> str | None:
     return (f"{key} loads with attn_implementation={attention}{default}, but the {package} package is not installed "
             f"{where}: install it ({install}), or run with PyTorch's attention: "
             f"+{key}.override_config.attn_implementation=sdpa")
+
+
+def ulysses_without_flash_attention(config: DictConfig) -> str | None:
+    """Why verl 0.9.1's Ulysses sequence parallelism would compute this run's actor log-probs wrong, or None.
+
+    verl slices each packed micro-batch along the sequence over the SP group and gathers the sequence back only
+    inside flash-attention: ``verl.models.transformers.monkey_patch.apply_monkey_patch`` replaces transformers'
+    ``_flash_attention_forward`` and nothing else. With another attention implementation (sdpa, eager) each rank
+    attends to its own slice only, and every token whose context crosses a slice gets a wrong log-prob, with no
+    error. The CPU backend (``AMIR_VERL_CPU=1``) wraps sdpa the same way (:mod:`amir_verl.cpu.platform`, patch 9)."""
+    from amir_verl.cpu import SWITCH
+
+    sp = OmegaConf.select(config, "actor_rollout_ref.actor.ulysses_sequence_parallel_size", default=1) or 1
+    if sp <= 1 or os.environ.get(SWITCH, "") == "1":
+        return None
+    if OmegaConf.select(config, "actor_rollout_ref.actor.strategy", default="fsdp") not in FSDP_STRATEGIES:
+        return None
+    override = OmegaConf.select(config, "actor_rollout_ref.model.override_config", default=None) or {}
+    attention = override.get("attn_implementation", VERL_DEFAULT_ATTENTION)
+    if str(attention).startswith("flash_attention"):
+        return None
+    return (f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp} with attn_implementation={attention}: verl "
+            "0.9.1 gathers the sequence for Ulysses only inside flash-attention, so each rank would attend to its own "
+            "slice and the log-probs would be wrong without an error; use "
+            "actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2, or "
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1")
 
 
 def check_attention_loads(config: DictConfig) -> None:
@@ -211,12 +238,14 @@ def check_any_run(config: DictConfig) -> None:
     """What stops any verl run on the driver with the plugin installed, AMIR or not: a LoRA adapter to start
     from that verl would ignore or mis-size. Warnings: an attention package missing where the driver runs
     (:func:`check_attention_loads`), and, for runs that are not AMIR, a LoRA rollout that would never see its
-    adapter (an error for AMIR runs: :func:`validate_amir_run`)."""
+    adapter and Ulysses without flash-attention (errors for AMIR runs: :func:`validate_amir_run`)."""
     check_attention_loads(config)
     check_lora_adapter_path(config)
-    reason = lora_sync_without_adapter(config)
-    if reason is not None and not asks_for_amir(config):
-        logger.warning("amir-verl: %s", reason)
+    if asks_for_amir(config):
+        return
+    for reason in (lora_sync_without_adapter(config), ulysses_without_flash_attention(config)):
+        if reason is not None:
+            logger.warning("amir-verl: %s", reason)
 
 
 def asks_for_amir(config: DictConfig) -> bool:
@@ -304,9 +333,9 @@ def validate_amir_run(config: DictConfig) -> AmirConfig:
             "FSDP engine reads actor_rollout_ref.model.lora_rank (0 here), so this run would train full weights: "
             f"set actor_rollout_ref.model.lora_rank={megatron_lora_rank} (as the paper recipes do)"
         )
-    lora_reason = lora_sync_without_adapter(config)
-    if lora_reason is not None:
-        raise ValueError(lora_reason)
+    for reason in (lora_sync_without_adapter(config), ulysses_without_flash_attention(config)):
+        if reason is not None:
+            raise ValueError(reason)
     distillation = config.get("distillation")
     if distillation is not None and distillation.get("enabled", False):
         raise ValueError("AMIR does not combine with on-policy distillation: set distillation.enabled=False")

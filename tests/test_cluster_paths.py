@@ -292,3 +292,37 @@ def test_the_cpu_switch_checks_before_it_switches_anything(monkeypatch):
     with pytest.raises(AcceleratorVisible, match=r"^AMIR_VERL_CPU=1 .* sees 1 CUDA device\(s\): unset AMIR_VERL_CPU"):
         activate_cpu_backend()
     assert os.environ["VERL_PLATFORM"] == "untouched"  # the CPU platform was not switched on
+
+
+ULYSSES_2 = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=True"]
+
+
+@pytest.mark.parametrize("attention,refused", [("sdpa", True), ("eager", True), ("flash_attention_2", False)])
+def test_amir_with_ulysses_on_an_attention_verl_does_not_gather_stops_on_the_driver(attention, refused, monkeypatch):
+    """verl 0.9.1 gathers a Ulysses-sliced sequence only inside flash-attention (its monkey patch replaces
+    transformers' _flash_attention_forward alone): with sdpa or eager each rank attends to its own slice and the
+    log-probs are wrong without an error (measured on the CPU backend before its patch 9: old log-probs 0.16 off).
+    An AMIR run stops there, naming both ways out; flash-attention passes; the CPU backend, which gathers for sdpa
+    too, passes."""
+    monkeypatch.delenv("AMIR_VERL_CPU", raising=False)
+    attn = [f"+actor_rollout_ref.model.override_config.attn_implementation={attention}"]
+    config = compose_verl(GRPO + VALID_SIZES + ULYSSES_2 + attn + amir_overrides())
+    if refused:
+        with pytest.raises(ValueError, match=rf"ulysses_sequence_parallel_size=2 with attn_implementation={attention}:"
+                                             r".*attn_implementation=flash_attention_2, or .*ulysses_sequence_parallel_size=1$"):
+            check_amir_run(config)
+    else:
+        check_amir_run(config)
+    monkeypatch.setenv("AMIR_VERL_CPU", "1")
+    check_amir_run(config)
+
+
+def test_a_stock_run_with_ulysses_on_sdpa_gets_a_warning_only(monkeypatch, caplog):
+    from amir_verl.run_config import check_any_run
+
+    monkeypatch.delenv("AMIR_VERL_CPU", raising=False)
+    config = compose_verl(GRPO + VALID_SIZES + ULYSSES_2 + SDPA)
+    with caplog.at_level("WARNING", logger="amir_verl.run_config"):
+        check_any_run(config)
+        check_amir_run(config)
+    assert [w for w in amir_warnings(caplog) if "ulysses_sequence_parallel_size=2 with attn_implementation=sdpa" in w]
