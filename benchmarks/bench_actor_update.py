@@ -8,7 +8,10 @@
 3. The driver's gradient signal for the lambda rule (issue 9) on 1,024 groups of 8 with 2,048-token
    responses (16.8 M tokens): both gradients at log_prob = old_log_prob, verl's base loss by autograd.
 
-    python benchmarks/bench_actor_update.py [--device cuda --dtype bfloat16 --hidden 896 --layers 24]
+    python benchmarks/bench_actor_update.py [--device cuda --dtype bfloat16 --hidden 896 --layers 24] [--record]
+
+``--record`` also writes the output to docs/results/bench_actor_update.md (:mod:`amir_verl.results_page`; with a
+``--device`` other than cpu: bench_actor_update_gpu.md).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from amir_verl.actor_loss import amir_ppo_loss
 from amir_verl.config import AmirConfig
 from amir_verl.preference import dpo_logits, length_normalised_log_probs, mine_preference_pairs, partner_table
+from amir_verl.results_page import printed, script_command, text_block, write_results
 from amir_verl.run_config import SPLIT_INVARIANT_BASE_MODES
 from amir_verl.step_batch import compute_step_fields, gradient_signal
 from amir_verl.testing import (
@@ -303,6 +307,9 @@ def main():
     p.add_argument("--reps", type=int, default=6)
     p.add_argument("--gspo", action="store_true", help="compare amir_gspo with gspo instead of amir_grpo with vanilla")
     p.add_argument("--no-rss", action="store_true", help="skip the per-mode child processes")
+    p.add_argument("--record", action="store_true",
+                   help="also write the output to docs/results/bench_actor_update.md "
+                        "(a --device other than cpu: bench_actor_update_gpu.md)")
     p.add_argument("--only", choices=["base", "amir"], help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -315,7 +322,16 @@ def main():
             actor_update(model, optimizer, td, loss_functions(args)[args.only], SavedBytes())
         print(json.dumps({"max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
         return
+    if not args.record:
+        report(args)
+        return
+    with printed() as out:
+        report(args)
+    name = "bench_actor_update" if args.device == "cpu" else "bench_actor_update_gpu"
+    print(f"wrote {write_results(name, script_command(), text_block(out.getvalue()))}")
 
+
+def report(args):
     base_name = "gspo" if args.gspo else "vanilla"
     print(f"actor update: {args.groups} groups x {args.group_size}, responses {args.response_len[0]}-"
           f"{args.response_len[1]} tokens, micro-batch {args.micro_batch}, {args.device} {args.dtype}", flush=True)

@@ -11,6 +11,9 @@ two runs compete for the same cores, so the phases AMIR does not touch (generati
 a second from run to run.
 
     python benchmarks/bench_async_modes.py [--steps 6] [--schedules sync,colocate_async,separate_async] [--workdir DIR]
+                                           [--record]
+
+``--record`` also writes the table to docs/results/bench_async_modes.md (:mod:`amir_verl.results_page`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 from amir_verl.cpu.launch import main_ppo_command, read_verl_metrics, run_main_ppo_together, verl_metrics_path
 from amir_verl.demo.quickstart import toy_grpo_overrides
 from amir_verl.demo.toy_task import make_assets
+from amir_verl.results_page import script_command, write_results
 from amir_verl.run_config import AMIR_TRAINER_MODES, amir_overrides
 
 BASE_MODES = {base: amir for amir, base in AMIR_TRAINER_MODES.items()}  # verl mode -> its AMIR mode
@@ -49,6 +53,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--schedules", default=",".join(BASE_MODES))
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--record", action="store_true",
+                        help="also write the table to docs/results/bench_async_modes.md")
     args = parser.parse_args()
     root = args.workdir or Path(tempfile.mkdtemp(prefix="amir_bench_async_"))
     assets = make_assets(root / "toy", n_train=128, n_test=8)
@@ -68,12 +74,17 @@ def main() -> None:
         print(f"[bench] {schedule}: " + ", ".join(
             f"{phase} base {medians['base'][phase]:.3f} s AMIR {medians['amir'][phase]:.3f} s "
             f"({medians['amir'][phase] / medians['base'][phase]:.2f})" for phase in PHASES), flush=True)
-    print("\n| schedule | AMIR mode | step s, base -> AMIR (median) | AMIR / base | adv + update_actor s, base -> AMIR | AMIR / base |")
-    print("|---|---|---|---|---|---|")
+    table = ["| schedule | AMIR mode | step s, base -> AMIR (median) | AMIR / base | adv + update_actor s, base -> AMIR "
+             "| AMIR / base |", "|---|---|---|---|---|---|"]
     for schedule, amir_mode, base, amir in rows:
         step, touched = (base["step"], amir["step"]), (base["adv+update_actor"], amir["adv+update_actor"])
-        print(f"| {schedule} | `{amir_mode}` | {step[0]:.2f} -> {step[1]:.2f} | {step[1] / step[0]:.2f} | "
-              f"{touched[0]:.3f} -> {touched[1]:.3f} | {touched[1] / touched[0]:.2f} |")
+        table.append(f"| {schedule} | `{amir_mode}` | {step[0]:.2f} -> {step[1]:.2f} | {step[1] / step[0]:.2f} | "
+                     f"{touched[0]:.3f} -> {touched[1]:.3f} | {touched[1] / touched[0]:.2f} |")
+    print("\n" + "\n".join(table))
+    if args.record:
+        body = (f"Medians over steps 2-{args.steps} of each run; each pair's two runs side by side.\n\n"
+                + "\n".join(table))
+        print(f"wrote {write_results('bench_async_modes', script_command(), body)}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ all threads of the machine) in a fresh process, with libgomp's default wait (spi
 core's worth, as a CPU run's other processes or the test suite beside the paper pipeline). Prints each case's wall
 time and the CPU time of the forward's process, and the ratios sleeping / spinning.
 
-    python benchmarks/bench_omp_wait.py [--busy 1] [--repeats 2]
+    python benchmarks/bench_omp_wait.py [--busy 1] [--repeats 2] [--record]
+
+``--record`` also writes the output to docs/results/bench_omp_wait.md (:mod:`amir_verl.results_page`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from amir_verl.results_page import printed, script_command, text_block, write_results
 
 FORWARD = r"""
 import json, time, torch
@@ -67,7 +71,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--busy", type=int, default=1, help="busy processes beside the forward in the second case")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--record", action="store_true",
+                        help="also write the output to docs/results/bench_omp_wait.md")
     args = parser.parse_args()
+    if not args.record:
+        report(args)
+        return
+    with printed() as out:
+        report(args)
+    print(f"wrote {write_results('bench_omp_wait', script_command(), text_block(out.getvalue()))}")
+
+
+def report(args) -> None:
     print(f"{os.cpu_count()} cores; medians of {args.repeats}", flush=True)
     for busy in (0, args.busy):
         figures = measure(busy, args.repeats)

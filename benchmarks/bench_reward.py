@@ -1,6 +1,6 @@
 """Throughput of the calibrated reward, and what one pathological response costs the others.
 
-    python benchmarks/bench_reward.py [--n 1000] [--reps 5] [--budget 5]
+    python benchmarks/bench_reward.py [--n 1000] [--reps 5] [--budget 5] [--record]
 
 1. responses/s in one thread for three workloads: GSM8K-style numbers, math-verify answers (LaTeX
    fractions, roots, intervals; each time-bounded in a helper process) and AQUA-RAT letters. Half the
@@ -9,6 +9,8 @@
    pool), alternating 1 and 2 threads ``--reps`` times: each repetition's ratio and their median.
 3. Blocking: one thread grades a pathological response that uses up its whole budget while another
    grades ordinary math-verify responses; the time those lose against grading them alone.
+
+``--record`` also writes the output to docs/results/bench_reward.md (:mod:`amir_verl.results_page`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from amir_verl.results_page import printed, script_command, text_block, write_results
 from amir_verl.reward import compute_score
 from amir_verl.reward.bounded import available_cores, pool_size
 
@@ -66,7 +69,17 @@ def main() -> None:
     p.add_argument("--n", type=int, default=1000)
     p.add_argument("--reps", type=int, default=5, help="alternating 1- and 2-thread repetitions")
     p.add_argument("--budget", type=float, default=5.0, help="math_timeout_s of the pathological response")
+    p.add_argument("--record", action="store_true", help="also write the output to docs/results/bench_reward.md")
     args = p.parse_args()
+    if not args.record:
+        report(args)
+        return
+    with printed() as out:
+        report(args)
+    print(f"wrote {write_results('bench_reward', script_command(), text_block(out.getvalue()))}")
+
+
+def report(args) -> None:
     print(f"cores {available_cores()}, helpers {pool_size()}, load {os.getloadavg()[0]:.1f}")
     grade_all(responses("math", 2 * pool_size()), pool_size())  # start every helper once
 

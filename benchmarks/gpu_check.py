@@ -3,8 +3,8 @@
 Needs only torch and transformers (peft for the LoRA rows, skipped with a reason without it); no verl, ray
 or vllm, nothing downloaded: the model is a randomly initialised Qwen2ForCausalLM built from a config in
 code. It imports only the project's pure-torch modules (``amir_verl.preference``, ``step_batch``,
-``lambda_control``, ``config``), loaded without running ``amir_verl/__init__.py``, and fails if any of
-verl, ray or vllm ends up imported.
+``lambda_control``, ``config``) and the pure-Python ``results_page``, loaded without running
+``amir_verl/__init__.py``, and fails if any of verl, ray or vllm ends up imported.
 
 What it checks, for one on-policy update (one mini-batch, one epoch), the exact case of the project's claim:
 the gradient accumulated over a split of the step batch into simulated data-parallel ranks and micro-batches,
@@ -30,6 +30,7 @@ fp32. The figure is the largest, over the trainable parameter tensors, of ||g_sp
 
     python benchmarks/gpu_check.py                 # on a GPU: the GPU size; under 5 minutes on one GPU
     python benchmarks/gpu_check.py --device cpu    # seconds, a smaller size
+    ... --record                                   # also writes its output to docs/results/gpu_check_<gpu|cpu>.md
 
 Exit status 1 when an exactness row fails its tolerance, the control goes unseen, or a row errors.
 """
@@ -60,12 +61,13 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = ("verl", "ray", "vllm")
-PURE_MODULES = ("lambda_control", "preference", "config", "step_batch")
+PURE_MODULES = ("lambda_control", "preference", "config", "step_batch", "results_page")
 
 # Tolerances on the max relative gradient difference (split against whole batch, same precision).
 # fp32: only summation order differs (micro-batch shapes, padding widths): ~1e-6 measured.
 # bf16: the two sides round their bf16 activations differently (other shapes, other kernels) and the
-# on-policy partners are the whole-batch forward's bf16 log-probs: ~1e-3..1e-2 measured (README).
+# on-policy partners are the whole-batch forward's bf16 log-probs: ~1e-3..1e-2 measured
+# (docs/results/gpu_check_cpu.md).
 TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 CLIP_LOW, CLIP_HIGH, DUAL_CLIP = 0.2, 0.28, 3.0  # verl's defaults for vanilla
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -535,7 +537,7 @@ def fmt(x) -> str:
     return "-" if x is None else f"{x:.2e}"
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when available)")
     parser.add_argument("--size", default="auto", choices=["auto", *SIZES], help="auto: gpu on CUDA, small on CPU")
@@ -545,9 +547,18 @@ def main(argv=None) -> int:
                         help="CPU threads (default 1: the small size is faster on one, and a busy machine does not "
                              "stall it); 0 keeps torch's default")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--record", action="store_true",
+                        help="also write the output to docs/results/gpu_check_gpu.md (on the CPU: gpu_check_cpu.md)")
     parser.add_argument("--inject-fault", action="store_true",
                         help="check the check: every row uses the control's wrong weight, so the run must fail")
     args = parser.parse_args(argv)
+    if args.record and args.inject_fault:
+        parser.error("--record with --inject-fault would record a run that fails on purpose")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     if device.type == "cuda":
@@ -555,6 +566,19 @@ def main(argv=None) -> int:
         # fp32 rows in true fp32 (no TF32), so that their tolerance means what it says
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+    if not args.record:
+        return check(args, device)
+    page = AMIR["results_page"]
+    with page.printed() as out:
+        status = check(args, device)
+    command = page.script_command(None if argv is None else [__file__, *argv])
+    path = page.write_results(f"gpu_check_{'gpu' if device.type == 'cuda' else 'cpu'}", command,
+                              page.text_block(out.getvalue()))
+    print(f"wrote {path}")
+    return status
+
+
+def check(args: argparse.Namespace, device: torch.device) -> int:
     size = SIZES[args.size if args.size != "auto" else ("gpu" if device.type == "cuda" else "small")]
     if device.type == "cpu" and args.threads:
         torch.set_num_threads(args.threads)

@@ -104,6 +104,20 @@ def test_the_study_resumes_refuses_other_settings_and_reports_a_failed_seed(tmp_
     assert "is a file" in capsys.readouterr().err
 
 
+def test_record_writes_the_table_to_the_docs_results_file(tmp_path, monkeypatch, capsys):
+    from amir_verl import results_page
+
+    monkeypatch.setitem(study.TASKS, "toy", stand_in_task([]))
+    monkeypatch.setattr(results_page, "DOCS_DIR", tmp_path / "docs")
+    args = ["--task", "toy", "--seeds", "2", "--workdir", str(tmp_path / "s"), "--record"]
+    assert study.main(args) == 0
+    recorded = (tmp_path / "docs" / "results" / "study_toy.md").read_text()
+    assert recorded.splitlines()[1].startswith(f"Measured with `python -m amir_verl.study {' '.join(args)}` on ")
+    table = (tmp_path / "s" / "study.md").read_text()
+    assert recorded.split("\n\n", 1)[1] == table.removeprefix("## ")  # the report, its title a plain line
+    assert "table recorded in" in capsys.readouterr().out
+
+
 def test_the_toy_study_trains_each_seeds_pair_with_that_seed_and_the_studys_steps(monkeypatch, tmp_path):
     """The toy task's argv goes through the quickstart's own parser to the main_ppo commands of each seed's pair:
     that seed for the data order, the rollout sampling and the actor's mini-batches, the study's steps, the

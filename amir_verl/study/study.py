@@ -1,7 +1,7 @@
 """Does AMIR change the margin and the accuracy? GRPO against AMIR-GRPO over several seeds, with statistics:
 
     python -m amir_verl.study --task toy|smollm2 [--seeds 8] [--first-seed 0] [--steps N] [--workdir DIR]
-                              [-- hydra overrides for every run]
+                              [--record] [-- hydra overrides for every run]
 
 For each seed it runs one pair, GRPO and AMIR-GRPO side by side from the same start with the same seeds:
 
@@ -16,8 +16,10 @@ For each seed it runs one pair, GRPO and AMIR-GRPO side by side from the same st
 Each pair writes its figures to ``<workdir>/seed_<S>/summary.json`` (:mod:`amir_verl.run_figures`). The study
 then reports, per figure, AMIR minus GRPO seed by seed and its mean with a 95% paired t interval
 (:mod:`amir_verl.study.statistics`): ``<workdir>/study.md`` (also printed), ``study.csv`` (every seed's
-figures) and ``study.png``. It resumes: a seed whose summary.json exists is read, not rerun, as long as the
-task, steps and overrides are those recorded in ``<workdir>/study.json``; a seed stopped halfway is redone.
+figures) and ``study.png``; with ``--record`` the table goes to ``docs/results/study_<task>.md`` too
+(:mod:`amir_verl.results_page`), where the documentation includes it. It resumes: a seed whose summary.json
+exists is read, not rerun, as long as the task, steps and overrides are those recorded in
+``<workdir>/study.json``; a seed stopped halfway is redone.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import argparse
 import csv
 import json
 import math
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -36,10 +39,11 @@ from amir_verl import run_figures
 from amir_verl.cpu.launch import stops_on_sigterm
 from amir_verl.metrics import format_value
 from amir_verl.paper_pipeline import VARIANTS
+from amir_verl.results_page import write_results
 from amir_verl.study.statistics import CONFIDENCE, PairedDifference, paired_difference
 
 BASE, AMIR = VARIANTS["grpo"], VARIANTS["amir_grpo"]  # the pair's labels in summary.json (the demo's too)
-# The study's deviations from the paper recipe on SmolLM2, each measured on seed 0 (README, "Does AMIR change
+# The study's deviations from the paper recipe on SmolLM2, each measured on seed 0 (docs/study.md, "Does AMIR change
 # anything at miniature?"). Every run gets lr 1e-3: at the recipe's 5e-6 a few LoRA steps moved the merged weights
 # by under 1e-6 and changed no sampled response; at 2e-4 still no response changed. The AMIR run gets a fixed
 # lambda of 2: the recipe's rule (loss_ratio, the official code's) held lambda at its floor, 0.005, and the
@@ -244,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--steps", type=int, help="training steps of each run (toy only; default the demo's 40)")
     p.add_argument("--workdir", type=Path, help="default: amir_study_<task>")
+    p.add_argument("--record", action="store_true", help="also write the table to docs/results/study_<task>.md")
     p.add_argument("overrides", nargs="*", help="extra hydra overrides for every run (after --)")
     args = p.parse_args(argv)
     task = TASKS[args.task]
@@ -275,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     png = plot_study(workdir / "study.png", summaries, differences,
                      f"{AMIR} minus {BASE}, {task.name}, {steps_text}, seeds {seeds[0]}-{seeds[-1]}")
     print(f"\n{table}\n")
+    if args.record:
+        command = "python -m amir_verl.study " + shlex.join(sys.argv[1:] if argv is None else argv)
+        # the report's '## ' title as a plain line: the page that includes the file has its own headings
+        recorded = write_results(f"study_{task.name}", command, table.removeprefix("## "))
+        print(f"[study] table recorded in {recorded}")
     print(f"[study] {len(seeds)} seeds in {time.monotonic() - start:.0f} s; table {workdir / 'study.md'}, "
           f"per seed {workdir / 'study.csv'}, plot {png}")
     return 0
