@@ -40,3 +40,5 @@ html_theme = "alabaster"
 html_title = f"amir-verl {release}"
 html_theme_options = {"description": "AMIR-GRPO and AMIR-GSPO for verl 0.9.1", "page_width": "1180px",
                       "sidebar_width": "240px"}
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]

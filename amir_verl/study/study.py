@@ -43,8 +43,8 @@ from amir_verl.results_page import write_results
 from amir_verl.study.statistics import CONFIDENCE, PairedDifference, paired_difference
 
 BASE, AMIR = VARIANTS["grpo"], VARIANTS["amir_grpo"]  # the pair's labels in summary.json (the demo's too)
-# The study's deviations from the paper recipe on SmolLM2, each measured on seed 0 (docs/study.md, "Does AMIR change
-# anything at miniature?"). Every run gets lr 1e-3: at the recipe's 5e-6 a few LoRA steps moved the merged weights
+# The study's deviations from the paper recipe on SmolLM2, each measured on seed 0 (docs/study.md, "Deviations from the
+# recipe"). Every run gets lr 1e-3: at the recipe's 5e-6 a few LoRA steps moved the merged weights
 # by under 1e-6 and changed no sampled response; at 2e-4 still no response changed. The AMIR run gets a fixed
 # lambda of 2: the recipe's rule (loss_ratio, the official code's) held lambda at its floor, 0.005, and the
 # package's grad_share at 0.5 with the term at 0.1-0.2 of the gradient; with either, at 2e-4, AMIR-GRPO generated
