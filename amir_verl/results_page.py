@@ -20,6 +20,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,3 +117,14 @@ def printed():
     tee = _Tee(sys.stdout)
     with contextlib.redirect_stdout(tee):
         yield tee.copy
+
+
+def print_or_record(name: str | None, report: Callable[[], None]) -> None:
+    """Run ``report`` (which prints a benchmark's figures); with a ``name`` also write what it printed, as a text
+    block, to ``docs/results/<name>.md`` under the command that ran this script."""
+    if name is None:
+        report()
+        return
+    with printed() as out:
+        report()
+    print(f"wrote {write_results(name, script_command(), text_block(out.getvalue()))}")

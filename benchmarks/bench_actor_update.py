@@ -33,7 +33,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from amir_verl.actor_loss import amir_ppo_loss
 from amir_verl.config import AmirConfig
 from amir_verl.preference import dpo_logits, length_normalised_log_probs, mine_preference_pairs, partner_table
-from amir_verl.results_page import printed, script_command, text_block, write_results
+from amir_verl.results_page import print_or_record
 from amir_verl.run_config import SPLIT_INVARIANT_BASE_MODES
 from amir_verl.step_batch import compute_step_fields, gradient_signal
 from amir_verl.testing import (
@@ -322,13 +322,8 @@ def main():
             actor_update(model, optimizer, td, loss_functions(args)[args.only], SavedBytes())
         print(json.dumps({"max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
         return
-    if not args.record:
-        report(args)
-        return
-    with printed() as out:
-        report(args)
     name = "bench_actor_update" if args.device == "cpu" else "bench_actor_update_gpu"
-    print(f"wrote {write_results(name, script_command(), text_block(out.getvalue()))}")
+    print_or_record(name if args.record else None, lambda: report(args))
 
 
 def report(args):

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from amir_verl.results_page import printed, script_command, text_block, write_results
+from amir_verl.results_page import print_or_record
 
 FORWARD = r"""
 import json, time, torch
@@ -74,12 +74,7 @@ def main() -> None:
     parser.add_argument("--record", action="store_true",
                         help="also write the output to docs/results/bench_omp_wait.md")
     args = parser.parse_args()
-    if not args.record:
-        report(args)
-        return
-    with printed() as out:
-        report(args)
-    print(f"wrote {write_results('bench_omp_wait', script_command(), text_block(out.getvalue()))}")
+    print_or_record('bench_omp_wait' if args.record else None, lambda: report(args))
 
 
 def report(args) -> None:

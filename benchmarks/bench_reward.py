@@ -23,7 +23,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from amir_verl.results_page import printed, script_command, text_block, write_results
+from amir_verl.results_page import print_or_record
 from amir_verl.reward import compute_score
 from amir_verl.reward.bounded import available_cores, pool_size
 
@@ -71,12 +71,7 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=5.0, help="math_timeout_s of the pathological response")
     p.add_argument("--record", action="store_true", help="also write the output to docs/results/bench_reward.md")
     args = p.parse_args()
-    if not args.record:
-        report(args)
-        return
-    with printed() as out:
-        report(args)
-    print(f"wrote {write_results('bench_reward', script_command(), text_block(out.getvalue()))}")
+    print_or_record('bench_reward' if args.record else None, lambda: report(args))
 
 
 def report(args) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from amir_verl.evaluation.passk import DISPLAY_NAMES, EvaluationError, NothingToMeasure, Sample, benchmark_sort_key
+from amir_verl.evaluation.scores import mean_token_log_probs
 
 
 def _plt():
@@ -264,14 +265,8 @@ SCORING_BATCH = 16  # responses per forward pass; sorted by length, so a prompt'
 
 def mean_response_log_probs(model, tokenizer, pairs: Sequence[tuple[str, str]], device: str = "cpu",
                             batch_size: int = SCORING_BATCH, progress=None) -> list[float]:
-    """Mean log-prob of each (prompt, response)'s response tokens given its prompt; NaN for an empty response.
-
-    Scored ``batch_size`` sequences per forward pass, left-padded to ``[batch, longest]`` with an attention
-    mask and position ids counted from each sequence's first token, so that every sequence ends at the last
-    position: the logits of the last (longest response + 1) positions predict every response token, and
-    only those are computed (a real vocabulary's logits over whole sequences are GBs)."""
-    import torch
-
+    """Mean log-prob of each (prompt, response)'s response tokens given its prompt; NaN for an empty response
+    (``model`` is on ``device``; the batching is :func:`amir_verl.evaluation.scores.mean_token_log_probs`)."""
     encoded = []
     for prompt, response in pairs:
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -279,29 +274,8 @@ def mean_response_log_probs(model, tokenizer, pairs: Sequence[tuple[str, str]], 
         if response_ids and not prompt_ids:
             raise EvaluationError("a sample has no prompt text: log-prob analyses need the prompt (verl's 'input')")
         encoded.append((prompt_ids, response_ids))
-    scores = [math.nan] * len(pairs)
-    order = sorted((i for i, (_, r) in enumerate(encoded) if r), key=lambda i: len(encoded[i][0]) + len(encoded[i][1]))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    for start in range(0, len(order), batch_size):
-        rows = order[start : start + batch_size]
-        sequences = [encoded[i][0] + encoded[i][1] for i in rows]
-        width, keep = max(map(len, sequences)), max(len(encoded[i][1]) for i in rows) + 1
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for k, sequence in enumerate(sequences):
-            ids[k, width - len(sequence):] = torch.tensor(sequence)
-            mask[k, width - len(sequence):] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        with torch.no_grad():
-            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-                           logits_to_keep=keep).logits.float()
-        # the kept window is positions width-keep .. width-1; position t predicts the token at t + 1
-        token = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, width - keep + 1:, None].to(device)).squeeze(-1)
-        for k, i in enumerate(rows):
-            scores[i] = float(token[k, -len(encoded[i][1]):].mean())
-        if progress and (start // batch_size + 1) % 10 == 0:
-            progress(f"scored {start + len(rows)}/{len(order)} responses")
-    return scores
+    return mean_token_log_probs(model, encoded, batch_size, pad, progress)
 
 
 def preference_margin(samples: Sequence[Sample], scores: Sequence[float]) -> tuple[pd.DataFrame, dict]:

@@ -11,12 +11,50 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from amir_verl.evaluation.passk import Sample
 
 CHUNK = 1 << 24
+
+
+def mean_token_log_probs(model, encoded: Sequence[tuple[Sequence[int], Sequence[int]]], batch_size: int,
+                         pad: int = 0, progress: Callable[[str], None] | None = None) -> list[float]:
+    """Mean log-prob per token of each (prompt ids, response ids)'s response given its prompt, temperature 1; NaN for
+    an empty response. The model runs on its own device.
+
+    Scored ``batch_size`` sequences per forward pass, sorted by length and left-padded to ``[batch, longest]``
+    with an attention mask and position ids counted from each sequence's first token, so that padding changes
+    nothing and every sequence ends at the last position: the logits of the last (longest response + 1) positions
+    predict every response token, and only those are computed (a real vocabulary's logits over whole sequences
+    are GBs)."""
+    import torch
+
+    device = next(model.parameters()).device
+    scores = [math.nan] * len(encoded)
+    order = sorted((i for i, (_, r) in enumerate(encoded) if len(r)), key=lambda i: len(encoded[i][0]) + len(encoded[i][1]))
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        sequences = [list(encoded[i][0]) + list(encoded[i][1]) for i in rows]
+        width, keep = max(map(len, sequences)), max(len(encoded[i][1]) for i in rows) + 1
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for k, sequence in enumerate(sequences):
+            ids[k, width - len(sequence):] = torch.tensor(sequence)
+            mask[k, width - len(sequence):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                           logits_to_keep=keep).logits.float()
+        # the kept window is positions width-keep .. width-1; position t predicts the token at t + 1
+        token = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, width - keep + 1:, None].to(device)).squeeze(-1)
+        for k, i in enumerate(rows):
+            scores[i] = float(token[k, -len(encoded[i][1]):].mean())
+        if progress and (start // batch_size + 1) % 10 == 0:
+            progress(f"scored {start + len(rows)}/{len(order)} responses")
+    return scores
 
 
 def model_fingerprint(path: str) -> str:

@@ -40,6 +40,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from amir_verl.evaluation.scores import mean_token_log_probs
+
 PROBE_FILE = "probes.json"  # a pair's probe set, written once per seed and read by both runs' scoring
 SCORES_FILE = "probe_scores.json"  # a run's scores: {probe set fingerprint, {step: ProbeScore}}
 SCORING_BATCH = 64  # sequences per forward pass
@@ -236,37 +238,13 @@ class ProbeScore:
 
 
 def response_log_probs(model, probes: ProbeSet, batch_size: int = SCORING_BATCH) -> list[list[float]]:
-    """``[prompt][response]``: the mean log-prob per token of each probe response given its prompt, temperature 1.
-
-    Batched: sequences sorted by length, left-padded, with an attention mask and position ids counted from each
-    sequence's first token (so padding changes nothing), and only the logits of the last (longest response + 1)
-    positions computed."""
-    import torch
-
-    flat = [(k, j, p.prompt_ids, r.token_ids) for k, p in enumerate(probes.prompts) for j, r in enumerate(p.responses)]
+    """``[prompt][response]``: the mean log-prob per token of each probe response given its prompt, temperature 1,
+    batched as :func:`amir_verl.evaluation.scores.mean_token_log_probs` batches (padding changes nothing)."""
+    flat = [(k, p.prompt_ids, r.token_ids) for k, p in enumerate(probes.prompts) for r in p.responses]
     if any(not response for *_, response in flat):
         raise ValueError("a probe response has no tokens")
-    out = [[math.nan] * len(p.responses) for p in probes.prompts]
-    order = sorted(range(len(flat)), key=lambda i: len(flat[i][2]) + len(flat[i][3]))
-    device = next(model.parameters()).device
-    for start in range(0, len(order), batch_size):
-        rows = [flat[i] for i in order[start:start + batch_size]]
-        sequences = [list(prompt) + list(response) for *_, prompt, response in rows]
-        width, keep = max(map(len, sequences)), max(len(r[3]) for r in rows) + 1
-        ids = torch.zeros((len(rows), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, sequence in enumerate(sequences):
-            ids[b, width - len(sequence):] = torch.tensor(sequence)
-            mask[b, width - len(sequence):] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        with torch.no_grad():
-            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device),
-                           position_ids=positions.to(device), logits_to_keep=keep).logits.float()
-        # kept: positions width-keep .. width-1; position t predicts the token at t + 1
-        token = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, width - keep + 1:, None].to(device)).squeeze(-1)
-        for b, (k, j, _, response) in enumerate(rows):
-            out[k][j] = float(token[b, -len(response):].mean())
-    return out
+    scores = iter(mean_token_log_probs(model, [(prompt, response) for _, prompt, response in flat], batch_size))
+    return [[next(scores) for _ in p.responses] for p in probes.prompts]
 
 
 def probe_score(probes: ProbeSet, log_probs: Sequence[Sequence[float]]) -> ProbeScore:
