@@ -6,6 +6,7 @@ other."""
 from __future__ import annotations
 
 import os
+import importlib.util
 import re
 import signal
 import subprocess
@@ -58,6 +59,14 @@ def start_local_ray(num_cpus: int) -> None:
             raise
         ray.shutdown()
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, address="local")
+
+
+def load_script(path: Path):
+    """A script that is not a module of the package (``benchmarks/x.py``), imported from its file."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def readme_commands() -> list[str]:

@@ -1,7 +1,6 @@
 """The results files the measuring scripts write (amir_verl/results_page.py), and benchmarks/ci_timing.py's
 parsers on canned pytest, /proc/stat and free output (the script itself runs CI, 25 minutes: not run here)."""
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -12,15 +11,13 @@ from pathlib import Path
 import pytest
 
 from amir_verl import results_page
+from tests.support import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_ci_timing():
-    spec = importlib.util.spec_from_file_location("ci_timing", ROOT / "benchmarks" / "ci_timing.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / "ci_timing.py")
 
 
 def test_write_results_states_the_command_date_cores_and_commit(tmp_path):
