@@ -322,8 +322,7 @@ def validate_amir_run(config: DictConfig) -> AmirConfig:
         )
     model = config.actor_rollout_ref.model
     megatron_lora_rank = (model.get("lora") or {}).get("rank", 0) or 0
-    if (config.actor_rollout_ref.actor.get("strategy") in FSDP_STRATEGIES and megatron_lora_rank > 0
-            and not model.get("lora_rank", 0)):
+    if megatron_lora_rank > 0 and not model.get("lora_rank", 0):  # an FSDP actor: other strategies stopped above
         # verl 0.9.1: FSDPEngine reads only model.lora_rank, while the V1 trainer's ref_in_actor also reads
         # model.lora.rank (PPOTrainer._setup, _init_resource_pool_mgr): full weights would train, and the
         # reference log-probs would ask the actor for an adapter it does not have (both reads pinned in
