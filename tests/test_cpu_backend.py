@@ -13,6 +13,7 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.utils import distributed, fsdp_utils
 from verl.workers import engine_workers
+from verl.workers.config.model import HFModelConfig
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 from verl.workers.rollout.base import BaseRollout
@@ -62,6 +63,8 @@ CPU_SEAMS = {
                                             "separate_async's pi_old save: the strategy's sharded save"),
     "DetachActorWorker.restore_model_from_cpu": (DetachActorWorker.restore_model_from_cpu, "c612cc1e734e9240",
                                                  "separate_async's pi_old restore: the strategy's sharded load"),
+    "HFModelConfig.__post_init__": (inspect.unwrap(HFModelConfig.__post_init__), "a18620cfff22adeb",
+                                    "patched: builds hf_config with override_config's attn_implementation"),
 }
 
 
@@ -124,6 +127,30 @@ def test_switch_on_leaves_the_patched_modules_to_verl_to_import(switch_probes):
     """Each Ray process of a run imports verl; the patches wait for their modules, so a process that never
     uses them (load balancer, reward loop, TransferQueue) does not pay their import (about 3 s of CPU)."""
     assert switch_probes["lazy"].stdout_lines()[-1] == "[]"
+
+
+ATTENTION_PROBE = ("import verl\n"
+                   "from verl.workers.config.model import HFModelConfig\n"
+                   "config = HFModelConfig(path={model!r}, override_config={{'attn_implementation': 'flash_attention_2'}})\n"
+                   "print(config.hf_config._attn_implementation, config.override_config['attn_implementation'])\n")
+
+
+@pytest.mark.parametrize("package_installed", [True, False])
+def test_a_flash_attention_model_loads_with_sdpa_where_its_package_is_installed(tmp_path, package_installed):
+    """Patch 10: flash_attention_2 runs as sdpa in a CPU process whose environment has flash_attn (a stand-in
+    package here, as a worker node's image adds it); without it verl's config is left as it was (transformers then
+    refuses the model, and an AMIR run's worker check stops it first)."""
+    assets = make_assets(tmp_path / "toy", n_train=2, n_test=1)
+    (tmp_path / "site" / "flash_attn").mkdir(parents=True)
+    (tmp_path / "site" / "flash_attn" / "__init__.py").write_text("")
+    env = probe_env(cpu=True)
+    if package_installed:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path / "site"), env.get("PYTHONPATH")]))
+    lines = FreshPython(ATTENTION_PROBE.format(model=assets["model"]), env).stdout_lines()
+    if package_installed:
+        assert lines[-2:] == ["amir_verl CPU backend: attn_implementation=flash_attention_2 loads as sdpa", "sdpa sdpa"]
+    else:
+        assert lines[-1] == "flash_attention_2 flash_attention_2" and not any("loads as sdpa" in x for x in lines)
 
 
 @pytest.fixture(scope="module")

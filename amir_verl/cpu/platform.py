@@ -63,6 +63,16 @@ And one for verl's Ulysses sequence parallelism (``ulysses_sequence_parallel_siz
    (transformers' rule, ``find_packed_sequence_indices``) from the gathered ``position_ids``, in place of the mask the
    model built from its rank's slice.
 
+And one for the package checks of a cluster's environments (shown by the two-node e2e, where the workers' node has a
+``flash_attn`` the driver's lacks):
+
+10. verl builds each model's config with ``override_config.attn_implementation``, ``flash_attention_2`` by default
+    (``HFModelConfig.__post_init__``), and transformers loads flash-attention only with CUDA. In a process where that
+    implementation's package is installed, :func:`_patch_flash_attention_stand_in` builds the model with sdpa instead,
+    as the CPU stand-in for the GPU kernels. Where the package is missing, nothing changes: transformers refuses
+    the model, and an AMIR run's worker check (:func:`amir_verl.run_config.install_worker_checks`) stops it first,
+    as on a GPU node.
+
 verl's FSDP engines are registered for the devices ``cuda`` and ``npu`` only; verl's own
 ``VERL_ENGINE_DEVICE`` override selects them. Ray still schedules verl's workers on "GPU" bundles, so
 Ray is started with logical GPUs (``+ray_kwargs.ray_init.num_gpus=N``). ``tests/test_cpu_backend.py``
@@ -74,6 +84,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.metadata
+import importlib.util
 import os
 import re
 import sys
@@ -438,6 +449,31 @@ def _patch_ulysses_sdpa(monkey_patch) -> None:
     AttentionInterface.register("sdpa", _ulysses_sdpa_attention(upstream))
 
 
+def _patch_flash_attention_stand_in(model_config) -> None:
+    """``verl.workers.config.model`` (patch 10): a model configured with a flash-attention implementation whose package
+    is installed in this process loads with sdpa, flash-attention's CPU stand-in."""
+    from amir_verl.run_config import ATTENTION_PACKAGES, VERL_DEFAULT_ATTENTION
+
+    upstream = model_config.HFModelConfig.__post_init__
+    if getattr(upstream, "_amir_cpu", False):
+        return
+    announced = []
+
+    @functools.wraps(upstream)
+    def __post_init__(self):
+        attention = self.override_config.get("attn_implementation", VERL_DEFAULT_ATTENTION)
+        if attention in ATTENTION_PACKAGES and importlib.util.find_spec(ATTENTION_PACKAGES[attention][0]) is not None:
+            if not announced:  # once per process
+                announced.append(attention)
+                print(f"amir_verl CPU backend: attn_implementation={attention} loads as sdpa", flush=True)
+            # a new dict: the worker's DictConfig, which the AMIR worker check read, keeps what the user asked for
+            object.__setattr__(self, "override_config", {**self.override_config, "attn_implementation": "sdpa"})
+        upstream(self)
+
+    __post_init__._amir_cpu = True
+    model_config.HFModelConfig.__post_init__ = __post_init__
+
+
 # verl module -> what is done to it once it has been imported (at once if it already has been). Importing
 # these modules here instead would cost every process of a run about 3 s of CPU (measured: ``import verl``
 # 5.0 s -> 8.3 s), and most of a run's Ray processes (load balancer, reward loop, TransferQueue) never use them.
@@ -448,6 +484,7 @@ PATCHES = {
     "verl.trainer.ppo.v1.replay_buffer": _patch_replay_buffer_poll_interval,
     "verl.utils.fsdp_utils": _patch_sharded_save_to_cpu,
     "verl.models.transformers.monkey_patch": _patch_ulysses_sdpa,  # where verl patches flash-attention for Ulysses
+    "verl.workers.config.model": _patch_flash_attention_stand_in,
     "vllm.model_executor.layers.utils": _patch_cpu_unquantized_gemm,  # vLLM's module (the cpu-vllm extra)
     "verl.workers.rollout.vllm_rollout.vllm_async_server": _patch_vllm_server_socket_tag,
     "verl.workers.rollout.vllm_rollout.vllm_rollout": _patch_vllm_adapter_socket_tag,

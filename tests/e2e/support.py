@@ -131,15 +131,25 @@ def pref_objective(l_theta: torch.Tensor, l_ref: torch.Tensor, pairs) -> torch.T
                         for i, j in pairs]).mean()
 
 
-def load_policy(assets, workdir: Path, step: int):
-    """The policy at the end of ``step`` (0: the initial model), from verl's actor checkpoint."""
+def load_policy(assets, workdir: Path, step: int, world: int = 1):
+    """The policy at the end of ``step`` (0: the initial model), from verl's FSDP2 actor checkpoint of ``world`` ranks:
+    each rank's file holds its dim-0 shard (DTensor, ``Shard(0)``) of every parameter."""
+    from torch.distributed.tensor import Shard
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32).eval()
     if step > 0:
         folder = workdir / "checkpoints" / f"global_step_{step}" / "actor"
-        state = {name: tensor.to_local() if hasattr(tensor, "to_local") else tensor
-                 for name, tensor in torch.load(folder / "model_world_size_1_rank_0.pt", weights_only=False).items()}
+        shards = [torch.load(folder / f"model_world_size_{world}_rank_{rank}.pt", weights_only=False)
+                  for rank in range(world)]
+        state = {}
+        for name, first in shards[0].items():
+            if not hasattr(first, "to_local"):
+                state[name] = first
+                continue
+            assert tuple(first.placements) == (Shard(0),), (name, first.placements)
+            state[name] = torch.cat([shard[name].to_local() for shard in shards], dim=0)
+            assert state[name].shape == first.shape, name
         missing, unexpected = model.load_state_dict(state, strict=False)
         tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
         assert set(missing) <= tied and not unexpected, (missing, unexpected)

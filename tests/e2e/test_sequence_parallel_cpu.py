@@ -52,25 +52,6 @@ def sp_command(assets, workdir: Path, sp: int) -> LoggedCommand:
     return probed(command, workdir, REPO)
 
 
-def load_sharded_policy(assets, workdir: Path, step: int, world: int):
-    """The policy at the end of ``step`` from verl's FSDP2 actor checkpoint of ``world`` ranks: each rank's file holds
-    its dim-0 shard (DTensor, ``Shard(0)``) of every parameter."""
-    from torch.distributed.tensor import Shard
-
-    folder = workdir / "checkpoints" / f"global_step_{step}" / "actor"
-    shards = [torch.load(folder / f"model_world_size_{world}_rank_{rank}.pt", weights_only=False)
-              for rank in range(world)]
-    state = {}
-    for name, first in shards[0].items():
-        assert tuple(first.placements) == (Shard(0),), (name, first.placements)
-        state[name] = torch.cat([shard[name].to_local() for shard in shards], dim=0)
-        assert state[name].shape == first.shape, name
-    model = load_policy(assets, workdir, 0)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)
-    return model
-
-
 @pytest.fixture(scope="module")
 def runs(assets, tmp_path_factory) -> dict[str, tuple[Path, dict[int, dict[str, float]]]]:
     """{"sp2" / "sp1": (its workdir, verl's metrics by step)}, the two runs side by side."""
@@ -88,7 +69,7 @@ def test_sequence_parallel_run_is_exact_against_brute_force(assets, runs):
     assert len(announced) == SP, announced
     policies = {0: load_policy(assets, workdir, 0)}
     for step in range(1, STEPS):
-        policies[step] = load_sharded_policy(assets, workdir, step, world=SP)
+        policies[step] = load_policy(assets, workdir, step, world=SP)
     for step in range(1, STEPS + 1):
         record = torch.load(workdir / "probe" / f"step_{step}.pt")
         actor = torch.load(workdir / "probe" / f"actor_{step}.pt")
