@@ -4,6 +4,7 @@ the paper's LoRA settings with the recomputation of a LoRA run from the base mod
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -359,6 +360,23 @@ def check_update(record: dict, actor: dict, policies: dict, step: int, prompts: 
     print(f"step {step}: pairs {len(pairs)}, lambda {lambda_reg:.4f}, grad_norm {float(grad_norm):.6f} "
           f"(verl {actor['actor/grad_norm']:.6f})")
     return spliced, stale
+
+
+def check_sync_run(assets, workdir: Path, steps: int, prompts: int, world: int) -> dict[int, dict]:
+    """:func:`check_update` on every step of a sync run on ``world`` ranks with a checkpoint every step and the
+    probe; returns its probe records by step."""
+    policies = {step: load_policy(assets, workdir, step, world=world if step else 1) for step in range(steps)}
+    records = {}
+    for step in range(1, steps + 1):
+        records[step] = torch.load(workdir / "probe" / f"step_{step}.pt")
+        actor = torch.load(workdir / "probe" / f"actor_{step}.pt")
+        check_update(records[step], actor, policies, step, prompts, exact_gradient=True)
+    return records
+
+
+def processes_printing(log: str, text: str) -> set[str]:
+    """The pids of the Ray worker processes with a line of ``log`` that holds ``text`` (Ray's ``(Name pid=N...)``)."""
+    return {re.search(r"pid=(\d+)", line).group(1) for line in log.splitlines() if text in line and "pid=" in line}
 
 
 def check_async_run(assets, workdir: Path, console: dict, records: dict, mode: str, steps: int) -> str:

@@ -29,7 +29,7 @@ from amir_verl.cpu.launch import LoggedCommand
 from amir_verl.metrics import LAMBDA, NUM_PAIRS, PG_GRAD_NORM, PREF_LOSS, PREF_TERM
 from amir_verl.run_config import amir_overrides
 from tests.e2e.probe import probed
-from tests.e2e.support import (BASE_METRICS, BETA, DELTA, assert_same, check_update, load_policy, train_command,
+from tests.e2e.support import (BASE_METRICS, BETA, DELTA, assert_same, check_sync_run, processes_printing, train_command,
                                train_side_by_side)
 from tests.support import REPO
 
@@ -64,16 +64,10 @@ def runs(assets, tmp_path_factory) -> dict[str, tuple[Path, dict[int, dict[str, 
 def test_sequence_parallel_run_is_exact_against_brute_force(assets, runs):
     workdir, metrics = runs[f"sp{SP}"]
     # both ranks ran their attention over the SP group (patch 9 says so once per process)
-    announced = {line.split("pid=")[1].split(")")[0] for line in (workdir / "main_ppo.log").read_text().splitlines()
-                 if f"Ulysses all-to-all around sdpa attention, SP group of {SP}" in line}
-    assert len(announced) == SP, announced
-    policies = {0: load_policy(assets, workdir, 0)}
-    for step in range(1, STEPS):
-        policies[step] = load_policy(assets, workdir, step, world=SP)
-    for step in range(1, STEPS + 1):
-        record = torch.load(workdir / "probe" / f"step_{step}.pt")
-        actor = torch.load(workdir / "probe" / f"actor_{step}.pt")
-        check_update(record, actor, policies, step, PROMPTS, exact_gradient=True)
+    log = (workdir / "main_ppo.log").read_text()
+    assert len(processes_printing(log, f"Ulysses all-to-all around sdpa attention, SP group of {SP}")) == SP
+    records = check_sync_run(assets, workdir, STEPS, PROMPTS, world=SP)
+    for step, record in records.items():
         for key in (NUM_PAIRS, PREF_LOSS):  # the console's figures are the probe's: one update per step
             assert metrics[step][key] == pytest.approx(record["metrics"][key], rel=1e-6), (step, key)
 

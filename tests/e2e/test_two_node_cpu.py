@@ -33,12 +33,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 
 from amir_verl.cpu.launch import LoggedCommand, run_logged
 from amir_verl.run_config import ATTENTION_PACKAGES, amir_overrides
 from tests.e2e.probe import probed
-from tests.e2e.support import BETA, DELTA, check_update, load_policy, train_command
+from tests.e2e.support import BETA, DELTA, check_sync_run, processes_printing, train_command
 from tests.support import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None,
@@ -180,16 +179,8 @@ def test_a_run_whose_workers_have_the_package_the_driver_lacks_trains_exactly_on
     assert returncode == 0, log[-5000:]
     assert DRIVER_WARNING in log and log.index(DRIVER_WARNING) < log.index("ray init kwargs")  # warned, went on
     # each rank loaded its model on a worker node, with the package found there (no GPU on the head: one per node)
-    ranks = {line.split("pid=")[1].split(",")[0].split(")")[0] for line in log.splitlines()
-             if STAND_IN in line and "WorkerDict" in line}
-    assert len(ranks) == NODES, ranks
-    policies = {0: load_policy(assets, workdir, 0)}
-    for step in range(1, STEPS):
-        policies[step] = load_policy(assets, workdir, step, world=NODES)
-    for step in range(1, STEPS + 1):
-        record = torch.load(workdir / "probe" / f"step_{step}.pt")
-        actor = torch.load(workdir / "probe" / f"actor_{step}.pt")
-        check_update(record, actor, policies, step, PROMPTS, exact_gradient=True)  # pairs mined, J_pref, gradient
+    assert len(processes_printing(log, STAND_IN) & processes_printing(log, "WorkerDict")) == NODES
+    check_sync_run(assets, workdir, STEPS, PROMPTS, world=NODES)  # pairs mined, J_pref, the update's gradient
 
 
 def test_a_run_with_a_worker_node_that_lacks_the_package_stops_there_naming_it_and_the_fix(cluster_runs):
