@@ -49,7 +49,7 @@ BAD_CONFIGS = dict(zip(
     ],
 ))  # {id: (overrides, what the error must say)}: tests/e2e/test_main_ppo_cpu.py's, started by conftest.py
 # (No entry for a missing flash-attn: the driver only warns, its environment need not be the workers'; an AMIR run's
-# worker stops before its model loads: tests/e2e/test_main_ppo_cpu.py's WORKER_WITHOUT_FLASH_ATTN.)
+# worker stops before its model loads: tests/e2e/test_two_node_cpu.py.)
 
 
 

@@ -149,31 +149,6 @@ def test_bad_amir_config_fails_before_training_naming_the_fix(bad_config_runs, n
     assert "ray init kwargs" not in log  # stopped on the driver, before Ray started
 
 
-# verl's default attention, whose package (flash-attn) this machine lacks, in the driver and the workers alike
-WORKER_WITHOUT_FLASH_ATTN = ["actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2"]
-
-
-def test_an_amir_run_whose_worker_lacks_flash_attn_stops_in_the_worker_naming_the_package_and_the_fix(assets, tmp_path):
-    """The driver only warns (on a cluster its environment need not be the workers'), and the run goes on to Ray;
-    the actor worker, whose environment lacks the package too, checks before verl builds its models there and stops
-    the run with the same line, naming its host. (A run that is not AMIR gets the warning only: tests/test_cluster_paths.py.)"""
-    from amir_verl.cpu.launch import run_logged
-    from amir_verl.run_config import ATTENTION_PACKAGES
-
-    command = train_command(assets, tmp_path / "run", 1, amir_overrides(beta_dpo=0.5) + WORKER_WITHOUT_FLASH_ATTN)
-    returncode, log = run_logged(command.cmd, command.env, command.log_path, timeout=600)
-    assert returncode != 0
-    install = ATTENTION_PACKAGES["flash_attention_2"][1]
-    line = ("actor_rollout_ref.model loads with attn_implementation=flash_attention_2, but the flash_attn package is "
-            "not installed {where}: install it (" + install + "), or run with PyTorch's attention: "
-            "+actor_rollout_ref.model.override_config.attn_implementation=sdpa")
-    driver = "amir-verl: " + line.format(where="where the driver runs (a worker without it cannot load the model)")
-    assert driver in log and log.index(driver) < log.index("ray init kwargs")  # warned, then went on to start Ray
-    worker = re.escape(line.format(where="on this worker (host @)")).replace("@", "[^)]+")
-    assert re.search(r"WorkerDict\.actor_rollout_ref_init_model\(\)[^\n]*\n(.*\n)*?ValueError: " + worker + "\n", log)
-    assert "Loading weights" not in log and "step:1" not in log  # stopped before any model loaded
-
-
 CALIBRATED = ["reward.reward_manager.name=amir_calibrated", "+reward.reward_kwargs.w_fmt=0.2", "trainer.test_freq=1"]
 
 
