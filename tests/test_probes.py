@@ -406,3 +406,28 @@ def test_the_detectable_difference_is_the_textbook_formula(differences):
     assert paired_t_power(0.0, sd, n) == pytest.approx(0.05, abs=1e-9)  # no difference: the test's level
     assert math.isnan(minimum_detectable_difference(sd, 1))
     assert math.isnan(detectable_difference(paired_difference([0.0], [0.1])))
+
+
+def test_a_runs_band_is_the_t_interval_of_its_mean():
+    from amir_verl.study.statistics import mean_interval
+
+    values = [0.2, 0.5, None, 0.4, 0.9]  # the missing value is left out
+    mean, half = by_hand([0.2, 0.5, 0.4, 0.9])
+    center, low, high = mean_interval(values)
+    assert center == pytest.approx(mean) and (low, high) == pytest.approx((mean - half, mean + half), abs=1e-3)
+    assert math.isnan(mean_interval([0.3])[1])
+
+
+def test_the_study_task_is_probed_on_its_own_rows_from_its_own_starting_model(toy, tmp_path):
+    """score_demo_pair with the copy task's validation rows, its grading and a starting model outside the workdir."""
+    from amir_verl.study import toy_setting
+
+    rows = toy_setting.validation_rows()[:5]
+    (tmp_path / "seed_0" / "grpo").mkdir(parents=True)  # a run that saved no checkpoint
+    scores = probes.score_demo_pair(tmp_path / "seed_0", runs=["grpo"], probe_rows=rows,
+                                    initial_model=toy["model_dir"], grade=toy_setting.compute_score)
+    probe_set = probes.ProbeSet.load(tmp_path / "seed_0" / probes.PROBE_FILE)
+    assert [p.prompt for p in probe_set.prompts] == [f"{toy_setting.tag(k)} te: copy {k}" for k in range(5)]
+    assert [[r.text for r in p.responses if r.correct] for p in probe_set.prompts] == [[str(k)] for k in range(5)]
+    assert list(scores["grpo"]) == [0]  # no checkpoint: the starting model only
+    assert_scores_match(scores["grpo"][0], plain_scores(toy["model"], probe_set))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from amir_verl import run_figures
-from amir_verl.study import study
+from amir_verl.study import study, toy_setting
 from amir_verl.study.statistics import paired_difference
 from tests.support import paired_t_by_hand as by_hand
 
@@ -116,6 +116,7 @@ def test_record_writes_the_table_to_the_docs_results_file(tmp_path, monkeypatch,
     table = (tmp_path / "s" / "study.md").read_text()
     assert recorded.split("\n\n", 1)[1] == table.removeprefix("## ")  # the report, its title a plain line
     assert "table recorded in" in capsys.readouterr().out
+    assert (tmp_path / "docs" / "study_toy.png").read_bytes() == (tmp_path / "s" / "study.png").read_bytes()
 
 
 def test_the_toy_study_trains_each_seeds_pair_with_that_seed_and_the_studys_steps(monkeypatch, tmp_path):
@@ -134,17 +135,24 @@ def test_the_toy_study_trains_each_seeds_pair_with_that_seed_and_the_studys_step
 
     monkeypatch.setattr(quickstart, "run_main_ppo_together", capture)
     monkeypatch.setattr(quickstart, "make_assets", lambda workdir: {"model": "M", "train": "T", "test": "V"})
+    setting = toy_setting.setting_overrides({"model": "S/model", "train": "S/train", "test": "S/test"})
     for seed in (0, 3):
         commands = {}
-        with pytest.raises(Trained):
-            study.TASKS["toy"].main(study.TASKS["toy"].argv(tmp_path / f"seed_{seed}", seed, 7, ["trainer.x=1"]))
+        with pytest.raises(Trained):  # the study passes the setting's overrides, then the user's
+            study.TASKS["toy"].main(study.TASKS["toy"].argv(tmp_path / f"seed_{seed}", seed, 7,
+                                                            [*setting, "trainer.x=1"]))
         assert sorted(commands) == sorted(quickstart.RUNS)
         for run, command in commands.items():
             overrides = command.cmd[command.cmd.index("verl.trainer.main_ppo") + 1:]
             for key in ("data.seed", "actor_rollout_ref.actor.data_loader_seed", "actor_rollout_ref.rollout.seed"):
                 assert f"{key}={seed}" in overrides, (seed, run, key)
             assert "trainer.total_training_steps=7" in overrides and overrides[-1] == "trainer.x=1"
-            assert overrides[-len(quickstart.RUNS[run][1]) - 1:-1] == quickstart.RUNS[run][1]
+            variant = quickstart.RUNS[run][1]
+            assert overrides[-len(setting) - 1:-1] == setting  # after the demo's own keys: hydra's last value wins
+            assert overrides[-len(setting) - len(variant) - 1:-len(setting) - 1] == variant
+            for key in ("actor_rollout_ref.model.path", "data.train_files", "actor_rollout_ref.actor.optim.lr",
+                        "trainer.save_freq", "reward.custom_reward_function.path"):
+                assert [o for o in overrides if o.startswith(key + "=")][-1] in setting, key
             assert (tmp_path / f"seed_{seed}" / run / "command.txt").read_text().count(f"data.seed={seed}") == 1
 
 
@@ -186,3 +194,152 @@ def test_the_smollm2_study_fixes_the_lambda_of_the_amir_run_only(monkeypatch, tm
     composed = compose_recipe("amir_grpo", "/m", overrides)
     assert (composed.amir.lambda_rule, composed.amir.lambda_init, composed.actor_rollout_ref.actor.optim.lr) == ("fixed", 2.0, 1e-3)
     assert compose_recipe("grpo", "/m", grpo[grpo.index("grpo") + 1:]).get("amir") is None
+
+
+# ---- the toy study's setting and its probe report --------------------------------------------------------------
+
+def test_the_copy_task_has_the_answer_as_the_prompts_only_digit_and_no_partial_credit():
+    rows = toy_setting.validation_rows()
+    assert len(rows) == 100 and [r["reward_model"]["ground_truth"][0] for r in rows[:12]] == list("012345678901")
+    train = toy_setting.training_rows()
+    for row in rows + train:
+        question = row["prompt"][0]["content"]
+        assert re.findall(r"\d", question) == list(row["reward_model"]["ground_truth"]), question
+    assert len({r["prompt"][0]["content"] for r in train}) == len(train)  # no two prompts the same text
+    assert rows[3]["prompt"][0]["content"] == "daa te: copy 3" and toy_setting.tag(26 ** 3 - 1) == "zzz"
+    score = toy_setting.compute_score
+    assert score("s", "7", ["7"])["score"] == 1.0 and score("s", "x7<eos>", "7")["score"] == 1.0
+    assert score("s", "3", ["7"])["score"] == 0.0 and score("s", "", ["7"])["score"] == 0.0  # the demo's gives 0.1
+    assert score("s", "37", ["7"]) == {"score": 0.0, "acc": 0.0, "pred": "3"}  # the first digit counts
+
+
+def test_the_cold_start_is_supervised_training_on_the_answer_and_eos(tmp_path):
+    """Its first step's loss is the mean over rows and the two target tokens of -log pi, computed one row at a
+    time from the untrained model; then the loss falls."""
+    import torch
+
+    from amir_verl.demo.toy_task import make_model, make_tokenizer
+    from amir_verl.study.probes import prompt_ids
+
+    tokenizer = make_tokenizer(tmp_path / "m")
+    model = make_model(tmp_path / "m", tokenizer, seed=0)
+    rows = toy_setting.training_rows(8)
+    hand = []
+    with torch.no_grad():
+        for row in rows[:4]:
+            prompt = prompt_ids(tokenizer, row["prompt"])
+            target = [tokenizer.convert_tokens_to_ids(row["reward_model"]["ground_truth"][0]), tokenizer.eos_token_id]
+            log_probs = torch.log_softmax(model(input_ids=torch.tensor([prompt + target])).logits[0], -1)
+            hand += [-float(log_probs[len(prompt) - 1 + k, t]) for k, t in enumerate(target)]
+    torch.manual_seed(0)
+    losses = toy_setting.cold_start(model, tokenizer, rows, steps=30, batch=4, lr=1e-2)
+    assert losses[0] == pytest.approx(sum(hand) / len(hand), rel=1e-5)
+    assert losses[-1] < losses[0] / 2
+
+
+def probe_score(margin: float, pair_accuracy: float):
+    from amir_verl.study.probes import ProbeScore
+
+    return ProbeScore(10, margin, pair_accuracy, -1.0, -1.0 - margin, 0.5)
+
+
+PROBE_STEPS = [0, 10, 30]
+PROBE_MARGINS = {  # seed -> (GRPO, AMIR) margin at PROBE_STEPS; pair accuracy is margin / 10 + 0.5
+    0: ([1.0, 1.2, 1.5], [1.0, 1.4, 1.9]), 1: ([1.0, 1.1, 1.3], [1.0, 1.1, 1.6]), 2: ([1.0, 1.5, 1.4], [1.0, 1.3, 1.8])}
+STEP_TIMES = {0: ([9.0, 2.0, 3.0, 2.5], [9.0, 2.2, 3.1, 2.6]), 1: ([8.0, 2.0, 2.0, 4.0], [8.0, 3.0, 2.0, 2.0]),
+              2: ([7.0, 1.0, 2.0, 3.0], [7.0, 1.5, 1.5, 9.0])}  # seed -> (GRPO, AMIR) timing_s/step of steps 1-4
+
+
+def write_metrics(folder: Path, seed: int) -> None:
+    """Each run's verl_metrics.jsonl as verl's file logger writes it: validation at steps 0 and 4, four steps."""
+    for i, run in enumerate(study.DEMO_RUNS):
+        lines = [{"step": 0, "data": {"val-core/src/acc/mean@4": 0.3}}]
+        for step, seconds in enumerate(STEP_TIMES[seed][i], start=1):
+            data = {"timing_s/step": seconds, "amir/num_pairs": float(step % 2 if i else 0)}
+            if step == 4:
+                data["val-core/src/acc/mean@4"] = 0.5 + 0.1 * seed + 0.01 * i
+            lines.append({"step": step, "data": data})
+        (folder / run).mkdir(parents=True, exist_ok=True)
+        (folder / run / "verl_metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def probe_task(calls: list) -> study.Task:
+    """The stand-in task with the toy's hooks: a shared setting, per-run metrics, and probe scores."""
+    from amir_verl.study.probes import PROBE_FILE, ProbeSet
+
+    base = stand_in_task(calls)
+
+    def main(argv):
+        assert argv[argv.index("--") + 1] == "setting=1"  # the setting's overrides first
+        status = base.main(argv)
+        write_metrics(Path(argv[argv.index("--workdir") + 1]), int(argv[argv.index("--seed") + 1]))
+        return status
+
+    def score(study_dir, folder, progress):
+        if not (folder / PROBE_FILE).exists():  # saved once, as score_demo_pair does
+            ProbeSet("toy", "three stand-in prompts", ()).save(folder / PROBE_FILE)
+        seed = int(folder.name.removeprefix("seed_"))
+        return {run: {step: probe_score(m, m / 10 + 0.5) for step, m in zip(PROBE_STEPS, PROBE_MARGINS[seed][i])}
+                for i, run in enumerate(study.DEMO_RUNS)}
+
+    return study.Task("toy", "a stand-in", 4, main, base.argv, prepare=lambda study_dir: ["setting=1"],
+                      setting={"k": 1}, score=score)
+
+
+def table_row(table: str, section: str, first_cell: str) -> list[str]:
+    """The cells of the row starting with ``first_cell`` in the table after the line starting with ``section``."""
+    part = table[table.index(section):]
+    line = next(line for line in part.splitlines() if line.startswith(f"| {first_cell} |"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_the_toy_report_compares_the_probe_curves_and_the_step_times_by_hand(tmp_path, monkeypatch, capsys):
+    from amir_verl.study.probes import PROBE_FILE, ProbePrompt, ProbeResponse, ProbeSet
+
+    calls = []
+    monkeypatch.setitem(study.TASKS, "toy", probe_task(calls))
+    work = tmp_path / "s"
+    assert study.main(["--task", "toy", "--seeds", "3", "--workdir", str(work)]) == 0
+    assert json.loads((work / "study.json").read_text())["setting"] == {"k": 1}
+    out = capsys.readouterr().out
+    assert "seed 1 GRPO: probe margin +1.000 -> +1.300" in out
+    table = (work / "study.md").read_text()
+    t975, t80 = 4.303, 1.061  # t(0.975, 2) and t(0.80, 2) from a printed table
+    for k, step in enumerate(PROBE_STEPS[1:], start=1):
+        differences = [a[k] - g[k] for g, a in PROBE_MARGINS.values()]
+        mean, half = by_hand(differences)
+        sd = half / t975 * 3 ** 0.5
+        cells = table_row(table, "probe margin", str(step))
+        assert cells[1] == "3" and float(cells[4]) == pytest.approx(mean, abs=1e-4)
+        low, high = (float(x) for x in cells[5].strip("[]").split(","))
+        assert (low, high) == pytest.approx((mean - half, mean + half), abs=1e-3)
+        assert float(cells[6]) == pytest.approx((t975 + t80) * sd / 3 ** 0.5, rel=1e-3)
+        accuracy = table_row(table, "probe pair accuracy", str(step))
+        assert float(accuracy[4]) == pytest.approx(mean / 10, abs=1e-4)
+    # the mean over training: each seed's difference curve by the trapezoid rule, over the 30 steps spanned
+    areas = [(10 * (0 + (a[1] - g[1])) / 2 + 20 * ((a[1] - g[1]) + (a[2] - g[2])) / 2) / 30
+             for g, a in PROBE_MARGINS.values()]
+    mean, half = by_hand(areas)
+    cells = table_row(table, "probe margin", "mean over steps 0-30 (area / 30)")
+    assert float(cells[4]) == pytest.approx(mean, abs=1e-4)
+    assert [float(x) for x in cells[5].strip("[]").split(",")] == pytest.approx([mean - half, mean + half], abs=1e-3)
+    assert table_row(table, "probe margin", "0")[4:6] == ["+0.0000", "[+0.0000, +0.0000]"]  # the shared start
+    # per seed: validation accuracy first -> last, AMIR's steps with pairs, median step time over steps 2-4
+    for seed, (grpo, amir) in STEP_TIMES.items():
+        cells = table_row(table, "Per seed", str(seed))
+        ratio = sorted(amir[1:])[1] / sorted(grpo[1:])[1]
+        assert cells[1] == f"0.300 -> {0.5 + 0.1 * seed:.3f}" and cells[3] == "2 of 4"
+        assert float(cells[6]) == pytest.approx(ratio, abs=1e-3)
+    ratios = sorted(sorted(a[1:])[1] / sorted(g[1:])[1] for g, a in STEP_TIMES.values())
+    assert f"median {ratios[1]:.3f}, range {ratios[0]:.3f} to {ratios[2]:.3f}" in table
+    assert "Probe set (the same for both runs of every seed): three stand-in prompts" in table
+    rows = (work / "study_probes.csv").read_text().splitlines()
+    assert rows[0].startswith("seed,run,step,prompts,margin") and len(rows) == 1 + 3 * 2 * 3
+    assert (work / "study.png").stat().st_size > 10_000 and (work / "study_figures.png").stat().st_size > 10_000
+    # resumed: nothing is trained again, the same report
+    assert study.main(["--task", "toy", "--seeds", "3", "--workdir", str(work)]) == 0
+    assert calls == [0, 1, 2] and (work / "study.md").read_text() == table
+    other = (ProbePrompt("p", (1,), (ProbeResponse((2,), True), ProbeResponse((3,), False))),)
+    ProbeSet("toy", "another probe set", other).save(work / "seed_1" / PROBE_FILE)
+    assert study.main(["--task", "toy", "--seeds", "3", "--workdir", str(work)]) == 1
+    assert "the seeds were scored on different probe sets" in capsys.readouterr().err

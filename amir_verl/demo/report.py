@@ -67,7 +67,7 @@ def summary_rows(runs: dict[str, dict[int, dict[str, float]]]) -> list[dict[str,
 # how the demo measures the figures it writes to summary.json (amir_verl.run_figures)
 FIGURE_DEFINITIONS = {
     run_figures.REWARD: f"mean score of the rollouts over the last {SUMMARY_WINDOW} steps",
-    run_figures.VALIDATION_ACCURACY: "validation accuracy (mean@4 samples of 32 prompts) at the last validation",
+    run_figures.VALIDATION_ACCURACY: "validation accuracy (mean@4 samples of every validation prompt) at the last validation",
     run_figures.MARGIN: f"{MARGIN} over the last {SUMMARY_WINDOW} steps that mined pairs (training rollouts, "
                         "preferred minus rejected)",
     run_figures.PAIR_ACCURACY: f"{PAIR_ACCURACY} over the last {SUMMARY_WINDOW} steps that mined pairs (share "

@@ -143,11 +143,17 @@ def toy_probe_rows(split: str = "test") -> list[dict]:
     return rows
 
 
-def toy_probe_set(source: Path | Sequence[Path] | Sequence[dict], tokenizer) -> ProbeSet:
+def toy_probe_set(source: Path | Sequence[Path] | Sequence[dict], tokenizer,
+                  grade: Callable[..., dict] | None = None) -> ProbeSet:
     """For each toy row (``source``: the validation file(s), or rows such as :func:`toy_probe_rows`): the ten
-    digits as one-token responses, graded by the task's own :func:`amir_verl.demo.toy_task.compute_score`
-    (1 correct, 9 incorrect). No EOS: the probe asks which digit the policy answers with first."""
-    from amir_verl.demo.toy_task import compute_score
+    digits as one-token responses, graded by ``grade`` (default the task's own
+    :func:`amir_verl.demo.toy_task.compute_score`; the study's copy task:
+    :func:`amir_verl.study.toy_setting.compute_score`), 1 correct and 9 incorrect. No EOS: the probe asks which
+    digit the policy answers with first."""
+    from amir_verl.demo.toy_task import DATA_SOURCE as TOY_SUM_SOURCE
+
+    if grade is None:
+        from amir_verl.demo.toy_task import compute_score as grade
 
     digit_ids = {}
     for digit in DIGITS:
@@ -160,11 +166,12 @@ def toy_probe_set(source: Path | Sequence[Path] | Sequence[dict], tokenizer) -> 
     prompts = []
     for number, row in enumerate(rows):
         golds = list(row["reward_model"]["ground_truth"])
-        responses = tuple(ProbeResponse(digit_ids[d], compute_score(row["data_source"], d, golds)["acc"] == 1.0, d)
+        responses = tuple(ProbeResponse(digit_ids[d], grade(row["data_source"], d, golds)["acc"] == 1.0, d)
                           for d in DIGITS)
         prompts.append(ProbePrompt(_problem_id(row, number), tuple(prompt_ids(tokenizer, list(row["prompt"]))),
                                    responses, row["prompt"][-1]["content"]))
-    return ProbeSet("toy", f"{len(prompts)} prompts{' (every a+b once)' if given_rows else ''}, each with the ten "
+    every_sum = given_rows and rows and rows[0]["data_source"] == TOY_SUM_SOURCE
+    return ProbeSet("toy", f"{len(prompts)} prompts{' (every a+b once)' if every_sum else ''}, each with the ten "
                            "digits as responses (1 correct, 9 incorrect), one token each", tuple(prompts))
 
 
@@ -434,23 +441,29 @@ DEMO_RUNS = ("grpo", "amir_grpo")  # amir_verl.demo.quickstart.RUNS' names: GRPO
 
 
 def score_demo_pair(workdir: Path, runs: Sequence[str] = DEMO_RUNS, every_sum: bool = True,
-                    batch_size: int = SCORING_BATCH,
-                    progress: Callable[[str], None] | None = None) -> dict[str, dict[int, ProbeScore]]:
+                    batch_size: int = SCORING_BATCH, progress: Callable[[str], None] | None = None,
+                    probe_rows: Sequence[dict] | None = None, initial_model: Path | None = None,
+                    grade: Callable[..., dict] | None = None) -> dict[str, dict[int, ProbeScore]]:
     """The probe scores of a demo workdir's runs (:mod:`amir_verl.demo.quickstart` run with
-    ``-- trainer.save_freq=K``): the toy probe set of every sum (:func:`toy_probe_rows`; ``every_sum=False``: of
-    the validation file ``workdir/data/test.parquet``) under the tokenizer of ``workdir/model``, saved once to
-    ``workdir/probes.json`` (read back, not rebuilt, when there), then each run's
-    checkpoints ``workdir/<run>/checkpoints`` and the starting model ``workdir/model`` (step 0, shared), written to
+    ``-- trainer.save_freq=K``): the toy probe set (:func:`toy_probe_set`, graded by ``grade``) of ``probe_rows``,
+    else of every sum (:func:`toy_probe_rows`; ``every_sum=False``: of the validation file
+    ``workdir/data/test.parquet``), under the tokenizer of the starting model ``initial_model`` (default
+    ``workdir/model``, the demo's), saved once to ``workdir/probes.json`` (read back, not rebuilt, when there),
+    then each run's checkpoints ``workdir/<run>/checkpoints`` and the starting model (step 0, shared), written to
     ``workdir/<run>/probe_scores.json``. A run whose scores file exists for this probe set is read, not rescored."""
     from transformers import AutoTokenizer
 
     workdir = Path(workdir)
+    initial_model = Path(initial_model) if initial_model is not None else workdir / "model"
     path = workdir / PROBE_FILE
     if path.exists():
         probe_set = ProbeSet.load(path)
     else:
-        source = toy_probe_rows() if every_sum else workdir / "data" / "test.parquet"
-        probe_set = toy_probe_set(source, AutoTokenizer.from_pretrained(workdir / "model"))
+        if probe_rows is not None:
+            source = list(probe_rows)
+        else:
+            source = toy_probe_rows() if every_sum else workdir / "data" / "test.parquet"
+        probe_set = toy_probe_set(source, AutoTokenizer.from_pretrained(initial_model), grade)
         probe_set.save(path)
     scores = {}
     for run in runs:
@@ -458,7 +471,7 @@ def score_demo_pair(workdir: Path, runs: Sequence[str] = DEMO_RUNS, every_sum: b
         if out.exists():
             scores[run] = read_scores(out, probe_set)
             continue
-        scores[run] = score_run(workdir / run / "checkpoints", workdir / "model", probe_set, batch_size=batch_size,
+        scores[run] = score_run(workdir / run / "checkpoints", initial_model, probe_set, batch_size=batch_size,
                                 progress=progress and (lambda line, run=run: progress(f"[{run}] {line}")))
         write_scores(out, probe_set, scores[run])
     return scores

@@ -74,6 +74,14 @@ def paired_difference(grpo: Sequence[float | None], amir: Sequence[float | None]
         sd=sd)
 
 
+def mean_interval(values: Sequence[float | None], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+    """(mean, low, high): the t interval of one run's mean over the seeds, ``mean -/+ t_{(1+c)/2, n-1} s / sqrt(n)``
+    over the values not missing (a plot's band around a run's mean curve; the comparison of two runs is the
+    paired interval). NaN interval with fewer than 2 values; all NaN with none."""
+    d = paired_difference([0.0] * len(values), values, confidence)
+    return d.mean, d.low, d.high
+
+
 def _missing(value: float | None) -> bool:
     return value is None or math.isnan(value)
 

@@ -5,9 +5,12 @@
 
 For each seed it runs one pair, GRPO and AMIR-GRPO side by side from the same start with the same seeds:
 
-- ``toy``: the demo (:mod:`amir_verl.demo.quickstart`, ``--seed S``; ``--steps``, default its 40). The seed
-  sets the data order, the rollout sampling and the actor's mini-batches; the tiny model is the same on
-  every seed. GRPO is run through the AMIR trainer with lambda 0, so its pairs are measured too.
+- ``toy``: the demo (:mod:`amir_verl.demo.quickstart`, ``--seed S``; ``--steps``, default 60) in the study's
+  setting (:mod:`amir_verl.study.toy_setting`: the copy-digit task with a 1/0 reward, a cold-started model made
+  once in ``<workdir>/setting`` and shared by every seed, checkpoints every 10 steps). The seed sets the data
+  order, the rollout sampling and the actor's mini-batches. GRPO is run through the AMIR trainer with lambda 0,
+  so its pairs are measured too. After each pair, every checkpoint of both runs is scored on the fixed probe
+  set (:func:`amir_verl.study.probes.score_demo_pair`: the 100 validation prompts, each with the ten digits).
 - ``smollm2``: the paper pipeline (:mod:`amir_verl.paper_pipeline.pipeline`, ``--size study --seed S``) on
   SmolLM2-135M-Instruct. The seed sets the generated data, the cold start, the initial LoRA adapter (shared
   by the pair) and the sampling; the study raises the recipe's learning rate (:data:`SMOLLM2_STUDY_OVERRIDES`)
@@ -16,10 +19,15 @@ For each seed it runs one pair, GRPO and AMIR-GRPO side by side from the same st
 Each pair writes its figures to ``<workdir>/seed_<S>/summary.json`` (:mod:`amir_verl.run_figures`). The study
 then reports, per figure, AMIR minus GRPO seed by seed and its mean with a 95% paired t interval
 (:mod:`amir_verl.study.statistics`): ``<workdir>/study.md`` (also printed), ``study.csv`` (every seed's
-figures) and ``study.png``; with ``--record`` the table goes to ``docs/results/study_<task>.md`` too
-(:mod:`amir_verl.results_page`), where the documentation includes it. It resumes: a seed whose summary.json
-exists is read, not rerun, as long as the task, steps and overrides are those recorded in
-``<workdir>/study.json``; a seed stopped halfway is redone.
+figures) and ``study.png``; where the runs have verl metrics, per seed the validation accuracy before and after
+training, AMIR's steps with pairs and the AMIR-GRPO / GRPO median step time; with probes, per probe figure
+(margin, pair accuracy) AMIR minus GRPO at each checkpoint and averaged over training, with the paired interval
+and the smallest detectable difference (``study_probes.csv``: every score; ``study.png``: the probe curves,
+the end-of-run figures then in ``study_figures.png``). With ``--record`` the report goes to
+``docs/results/study_<task>.md`` too (:mod:`amir_verl.results_page`), where the documentation includes it. It
+resumes: a seed whose summary.json exists is read, not rerun (and a run's probe scores file is read, not
+rescored), as long as the task, steps, overrides and setting are those recorded in ``<workdir>/study.json``;
+a seed stopped halfway is redone.
 """
 
 from __future__ import annotations
@@ -29,20 +37,34 @@ import csv
 import json
 import math
 import shlex
+import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from statistics import median
 from pathlib import Path
 from typing import Callable
 
 from amir_verl import run_figures
-from amir_verl.cpu.launch import stops_on_sigterm
-from amir_verl.metrics import format_value
+from amir_verl.cpu.launch import VERL_METRICS_FILE, read_verl_metrics, stops_on_sigterm
+from amir_verl.cpu.progress import validation_accuracy
+from amir_verl.metrics import NUM_PAIRS, format_value
 from amir_verl.paper_pipeline import VARIANTS
 from amir_verl.results_page import write_results
-from amir_verl.study.statistics import CONFIDENCE, PairedDifference, paired_difference
+from amir_verl.study import toy_setting
+from amir_verl.study.probes import DEMO_RUNS, PROBE_FILE, ProbeScore, ProbeSet, probe_curves
+from amir_verl.study.statistics import (
+    CONFIDENCE,
+    POWER,
+    CurveComparison,
+    PairedDifference,
+    compare_curves,
+    mean_interval,
+    paired_difference,
+)
 
 BASE, AMIR = VARIANTS["grpo"], VARIANTS["amir_grpo"]  # the pair's labels in summary.json (the demo's too)
+RUN_FOLDERS = dict(zip((BASE, AMIR), DEMO_RUNS))  # label -> the run's folder in a seed's folder (the demo's names)
 # The study's deviations from the paper recipe on SmolLM2, each measured on seed 0 (docs/study.md, "Deviations from the
 # recipe"). Every run gets lr 1e-3: at the recipe's 5e-6 a few LoRA steps moved the merged weights
 # by under 1e-6 and changed no sampled response; at 2e-4 still no response changed. The AMIR run gets a fixed
@@ -54,22 +76,43 @@ SMOLLM2_STUDY_OVERRIDES = ("actor_rollout_ref.actor.optim.lr=1e-3",)
 SMOLLM2_STUDY_AMIR_OVERRIDES = ("amir.lambda_rule=fixed", "+amir.lambda_init=2.0")
 
 
+Scores = dict[str, dict[int, ProbeScore]]  # a seed's probe scores: {run folder: {step: score}}
+
+
 @dataclass(frozen=True)
 class Task:
-    """How one seed's pair is trained: ``command(seed_dir, seed, steps, overrides)`` is the argv of a
-    ``main(argv) -> exit status`` that leaves summary.json in ``seed_dir``."""
+    """How one seed's pair is trained: ``argv(seed_dir, seed, steps, overrides)`` is the argv of a
+    ``main(argv) -> exit status`` that leaves summary.json in ``seed_dir``.
+
+    Optional: ``prepare(study_dir)`` makes what every seed shares in the study's folder once and returns the
+    overrides that point the runs at it (given before the user's); ``setting`` is what study.json records of it;
+    ``score(study_dir, seed_dir, progress)`` scores the pair's checkpoints on the task's probe set."""
 
     name: str
     description: str
     default_steps: int | None  # None: the task's size fixes the steps (--steps is refused)
     main: Callable[[list[str]], int]
     argv: Callable[[Path, int, int | None, list[str]], list[str]]
+    prepare: Callable[[Path], list[str]] | None = None
+    setting: dict | None = None
+    score: Callable[[Path, Path, Callable[[str], None]], Scores] | None = None
 
 
 def _toy_main(argv: list[str]) -> int:
     from amir_verl.demo import quickstart
 
     return quickstart.main(argv)
+
+
+def _toy_prepare(study_dir: Path) -> list[str]:
+    return toy_setting.setting_overrides(toy_setting.prepare_setting(study_dir))
+
+
+def _toy_score(study_dir: Path, folder: Path, progress: Callable[[str], None]) -> Scores:
+    from amir_verl.study.probes import score_demo_pair
+
+    return score_demo_pair(folder, probe_rows=toy_setting.validation_rows(), grade=toy_setting.compute_score,
+                           initial_model=study_dir / toy_setting.SETTING_FOLDER / "model", progress=progress)
 
 
 def _smollm2_main(argv: list[str]) -> int:
@@ -79,9 +122,11 @@ def _smollm2_main(argv: list[str]) -> int:
 
 
 TASKS = {
-    "toy": Task("toy", "the demo's toy task (tiny Qwen2-shaped model)", 40, _toy_main,
+    "toy": Task("toy", "the copy-digit task on the demo's tiny model, cold-started (amir_verl.study.toy_setting)",
+                60, _toy_main,
                 lambda d, seed, steps, extra: ["--workdir", str(d), "--seed", str(seed), "--steps", str(steps),
-                                               "--", *extra]),
+                                               "--", *extra],
+                prepare=_toy_prepare, setting=toy_setting.RECORD, score=_toy_score),
     "smollm2": Task("smollm2", "the paper pipeline on SmolLM2-135M-Instruct (size `study`)", None, _smollm2_main,
                     lambda d, seed, steps, extra: ["--workdir", str(d), "--size", "study", "--seed", str(seed),
                                                    *(f"--amir-override={o}" for o in SMOLLM2_STUDY_AMIR_OVERRIDES),
@@ -198,6 +243,12 @@ def plot_study(path: Path, summaries: dict[int, dict], differences: dict[str, Pa
         ax.set_xticks([0, 1], [BASE, AMIR])
         ax.set_xlim(-0.3, 1.3)
         ax.grid(alpha=0.3)
+    return _save_figure(fig, path, title)
+
+
+def _save_figure(fig, path: Path, title: str) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -211,33 +262,225 @@ def _figures_line(summary: dict, label: str) -> str:
                      if figure not in summary["not_measured"])
 
 
-def run_study(task: Task, workdir: Path, seeds: list[int], steps: int | None, overrides: list[str]) -> dict[int, dict]:
-    """Train the seeds not done yet, one pair at a time; returns {seed: summary.json}."""
+def run_study(task: Task, workdir: Path, seeds: list[int], steps: int | None, setting: list[str],
+              overrides: list[str]) -> tuple[dict[int, dict], dict[int, Scores]]:
+    """Train the seeds not done yet, one pair at a time (``setting``'s overrides, then the user's), and score
+    each pair's checkpoints where the task has probes (a run's scores file is read, not redone); returns
+    ({seed: summary.json}, {seed: probe scores}, the latter empty without probes)."""
     summaries: dict[int, dict] = {}
+    scores: dict[int, Scores] = {}
     durations: list[float] = []
     for number, seed in enumerate(seeds, start=1):
         folder = seed_dir(workdir, seed)
+        trained_from = None  # when this seed's training started, if it trains now
         if (folder / run_figures.SUMMARY_FILE).exists():
             summaries[seed] = read_pair(folder)
             print(f"[study] seed {seed} ({number} of {len(seeds)}): done earlier, read {folder / run_figures.SUMMARY_FILE}",
                   flush=True)
-            continue
-        print(f"[study] seed {seed} ({number} of {len(seeds)}): training {BASE} and {AMIR} in {folder}", flush=True)
-        start = time.monotonic()
-        status = task.main(task.argv(folder, seed, steps, overrides))
-        if status == 130:  # the demo and the pipeline catch Ctrl-C themselves, stop their runs and return 130
-            raise KeyboardInterrupt
-        if status != 0:
-            raise StudyError(f"seed {seed}: the {task.name} pair stopped with exit status {status} (its output is "
-                             f"above; logs in {folder}); rerun the same command to resume from seed {seed}")
-        summaries[seed] = read_pair(folder)
-        durations.append(time.monotonic() - start)
-        left = sum(1 for s in seeds[number:] if not (seed_dir(workdir, s) / run_figures.SUMMARY_FILE).exists())
-        for label in (BASE, AMIR):
-            print(f"[study] seed {seed} {label}: {_figures_line(summaries[seed], label)}", flush=True)
-        print(f"[study] seed {seed} done in {durations[-1]:.0f} s; {len(seeds) - number} seed(s) to go"
-              + (f", about {left * sum(durations) / len(durations) / 60:.0f} min" if left else ""), flush=True)
-    return summaries
+        else:
+            print(f"[study] seed {seed} ({number} of {len(seeds)}): training {BASE} and {AMIR} in {folder}", flush=True)
+            trained_from = time.monotonic()
+            status = task.main(task.argv(folder, seed, steps, [*setting, *overrides]))
+            if status == 130:  # the demo and the pipeline catch Ctrl-C themselves, stop their runs and return 130
+                raise KeyboardInterrupt
+            if status != 0:
+                raise StudyError(f"seed {seed}: the {task.name} pair stopped with exit status {status} (its output is "
+                                 f"above; logs in {folder}); rerun the same command to resume from seed {seed}")
+            summaries[seed] = read_pair(folder)
+            for label in (BASE, AMIR):
+                print(f"[study] seed {seed} {label}: {_figures_line(summaries[seed], label)}", flush=True)
+        if task.score is not None:
+            scores[seed] = task.score(workdir, folder, lambda line, seed=seed: print(f"[study] seed {seed} {line}",
+                                                                                    flush=True))
+            for label, run in RUN_FOLDERS.items():
+                print(f"[study] seed {seed} {label}: {_probe_line(scores[seed][run])}", flush=True)
+        if trained_from is not None:
+            durations.append(time.monotonic() - trained_from)
+            left = sum(1 for s in seeds[number:] if not (seed_dir(workdir, s) / run_figures.SUMMARY_FILE).exists())
+            print(f"[study] seed {seed} done in {durations[-1]:.0f} s; {len(seeds) - number} seed(s) to go"
+                  + (f", about {left * sum(durations) / len(durations) / 60:.0f} min" if left else ""), flush=True)
+    return summaries, scores
+
+
+def shared_probe_set(workdir: Path, seeds: list[int]) -> ProbeSet:
+    """The probe set every seed's pair was scored on (each seed's ``probes.json``), refused unless it is one."""
+    probe_sets = {seed: ProbeSet.load(seed_dir(workdir, seed) / PROBE_FILE) for seed in seeds}
+    fingerprints = {seed: p.fingerprint() for seed, p in probe_sets.items()}
+    if len(set(fingerprints.values())) > 1:
+        raise StudyError(f"the seeds were scored on different probe sets ({fingerprints}): their curves do not compare")
+    return probe_sets[seeds[0]]
+
+
+def _probe_line(run_scores: dict[int, ProbeScore]) -> str:
+    first, last = min(run_scores), max(run_scores)
+    return (f"probe margin {run_scores[first].margin:+.3f} -> {run_scores[last].margin:+.3f}, pair accuracy "
+            f"{run_scores[first].pair_accuracy:.3f} -> {run_scores[last].pair_accuracy:.3f} (steps {first} -> {last}, "
+            f"{len(run_scores)} checkpoints)")
+
+
+# ---- the probe curves, the runs' facts and their report ----------------------------------------------------------
+
+PROBE_FIGURES = {  # ProbeScore field -> what the report calls it
+    "margin": "probe margin (mean log-prob per token of the correct response minus that of the incorrect ones)",
+    "pair_accuracy": "probe pair accuracy (share of (correct, incorrect) pairs with the correct one scored higher)",
+}
+STEP_TIME = "timing_s/step"  # verl's wall time of a training step
+
+
+@dataclass(frozen=True)
+class ProbeComparison:
+    steps: list[int]
+    grpo: list[list[float | None]]  # [seed][checkpoint]
+    amir: list[list[float | None]]
+    comparison: CurveComparison
+
+
+def compare_probes(scores: dict[int, Scores]) -> dict[str, ProbeComparison]:
+    """{probe figure: AMIR minus GRPO at each checkpoint and averaged over training}, the seeds in ``scores``' order."""
+    out = {}
+    for figure in PROBE_FIGURES:
+        steps, grpo, amir = probe_curves(scores, figure)
+        out[figure] = ProbeComparison(steps, grpo, amir, compare_curves(steps, grpo, amir))
+    return out
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What a run's verl metrics say besides the figures: how much it learned, whether it mined pairs, its speed."""
+
+    first_accuracy: float | None  # validation accuracy at the first validation (before training)
+    last_accuracy: float | None
+    steps: int
+    steps_with_pairs: int
+    median_step_s: float | None  # timing_s/step, median over the steps after the first
+
+
+def run_facts(metrics: dict[int, dict[str, float]]) -> RunFacts:
+    """:class:`RunFacts` of a run's metrics ({step: {key: value}}, step 0 the validation before training)."""
+    accuracies = [a for _, m in sorted(metrics.items()) if (a := validation_accuracy(m)) is not None]
+    train = {step: m for step, m in metrics.items() if step > 0}
+    times = [m[STEP_TIME] for step, m in train.items() if step > 1 and STEP_TIME in m]
+    return RunFacts(accuracies[0] if accuracies else None, accuracies[-1] if accuracies else None, len(train),
+                    sum(1 for m in train.values() if m.get(NUM_PAIRS)), median(times) if times else None)
+
+
+def read_run_facts(folder: Path) -> dict[str, RunFacts] | None:
+    """{label: RunFacts} of a seed's pair from each run's verl metrics file; None where a run has none."""
+    paths = {label: folder / run / VERL_METRICS_FILE for label, run in RUN_FOLDERS.items()}
+    if not all(path.exists() for path in paths.values()):
+        return None
+    return {label: run_facts(read_verl_metrics(path)) for label, path in paths.items()}
+
+
+def step_time_ratio(facts: dict[str, RunFacts]) -> float | None:
+    """AMIR's median step time over GRPO's, one seed."""
+    grpo, amir = facts[BASE].median_step_s, facts[AMIR].median_step_s
+    return amir / grpo if grpo and amir is not None else None
+
+
+def _interval(d: PairedDifference) -> str:
+    return "-" if math.isnan(d.low) else f"[{d.low:+.4f}, {d.high:+.4f}]"
+
+
+def _number(value: float, form: str = ".4f") -> str:
+    return "-" if value is None or math.isnan(value) else format(value, form)
+
+
+def probe_table(comparisons: dict[str, ProbeComparison], probe_set: str) -> str:
+    """Per probe figure: AMIR minus GRPO at each checkpoint and averaged over training, each with its paired
+    interval and the smallest difference the design detects."""
+    pct = f"{CONFIDENCE:.0%}"
+    any_comparison = next(iter(comparisons.values()))
+    steps = any_comparison.steps
+    lines = [f"Probe set (the same for both runs of every seed): {probe_set}; scored at steps "
+             f"{', '.join(map(str, steps))} (step 0: the shared starting model)."]
+    for figure, probe in comparisons.items():
+        c = probe.comparison
+        lines += ["", f"{PROBE_FIGURES[figure]}:", "",
+                  f"| step | seeds | {BASE} | {AMIR} | {AMIR} minus {BASE}, mean | {pct} interval (paired t) "
+                  f"| detectable difference ({POWER:.0%} power) |",
+                  "|---|---|---|---|---|---|---|"]
+        rows = [(str(step), d, detectable) for step, d, detectable in
+                zip(steps, c.per_checkpoint, c.detectable_per_checkpoint)]
+        rows.append((f"mean over steps {steps[0]}-{steps[-1]} (area / {steps[-1] - steps[0]})", c.area,
+                     c.detectable_area))
+        for name, d, detectable in rows:
+            lines.append(f"| {name} | {d.seeds} | {_number(d.grpo_mean)} | {_number(d.amir_mean)} "
+                         f"| {_number(d.mean, '+.4f')} | {_interval(d)} | {_number(detectable)} |")
+    lines += ["",
+              f"- Interval: mean difference -/+ t(0.975, seeds - 1) x sd / sqrt(seeds) over the seeds (paired t). "
+              f"Mean over training: each seed's difference curve integrated by the trapezoid rule over the "
+              f"checkpoints and divided by the steps spanned, then the same interval over the seeds.",
+              f"- Detectable difference: (t(0.975, seeds - 1) + t({POWER}, seeds - 1)) x sd / sqrt(seeds), the "
+              f"smallest true mean difference a two-sided paired t test at 5% detects with {POWER:.0%} power, at "
+              f"the observed sd."]
+    return "\n".join(lines)
+
+
+def facts_table(facts: dict[int, dict[str, RunFacts]]) -> str:
+    """One row per seed: validation accuracy first -> last per run, AMIR's steps with pairs, the step times."""
+    lines = [f"| seed | {BASE} validation accuracy, first -> last | {AMIR} validation accuracy, first -> last "
+             f"| {AMIR} steps with pairs | {BASE} step, s | {AMIR} step, s | {AMIR} / {BASE} step time |",
+             "|---|---|---|---|---|---|---|"]
+    for seed, runs in facts.items():
+        grpo, amir = runs[BASE], runs[AMIR]
+        ratio = step_time_ratio(runs)
+        lines.append(f"| {seed} | {_number(grpo.first_accuracy, '.3f')} -> {_number(grpo.last_accuracy, '.3f')} "
+                     f"| {_number(amir.first_accuracy, '.3f')} -> {_number(amir.last_accuracy, '.3f')} "
+                     f"| {amir.steps_with_pairs} of {amir.steps} | {_number(grpo.median_step_s, '.2f')} "
+                     f"| {_number(amir.median_step_s, '.2f')} | {_number(ratio, '.3f')} |")
+    ratios = sorted(r for runs in facts.values() if (r := step_time_ratio(runs)) is not None)
+    if ratios:
+        lines += ["", f"- Step time: verl's `{STEP_TIME}`, the median over each run's steps after the first; the two "
+                      f"runs of a seed train side by side on the same cores. {AMIR} / {BASE} over the seeds: median "
+                      f"{median(ratios):.3f}, range {ratios[0]:.3f} to {ratios[-1]:.3f}."]
+    return "\n".join(lines)
+
+
+def write_probe_csv(path: Path, scores: dict[int, Scores]) -> None:
+    fields = [name for name in ProbeScore.__dataclass_fields__]
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["seed", "run", "step", *fields])
+        for seed, runs in scores.items():
+            for label, run in RUN_FOLDERS.items():
+                for step, score in sorted(runs[run].items()):
+                    writer.writerow([seed, label, step, *asdict(score).values()])
+
+
+def plot_probes(path: Path, comparisons: dict[str, ProbeComparison], title: str) -> Path:
+    """Per probe figure, two panels: each run's mean curve over the seeds with its band (t interval of the
+    mean), and each seed's AMIR-minus-GRPO curve (grey) with their mean and paired band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pct = f"{CONFIDENCE:.0%}"
+    fig, axes = plt.subplots(len(comparisons), 2, figsize=(10, 3.4 * len(comparisons)), squeeze=False)
+    for (ax_runs, ax_diff), (figure, probe) in zip(axes, comparisons.items()):
+        name = figure.replace("_", " ")
+        for label, curves, color in ((BASE, probe.grpo, "tab:blue"), (AMIR, probe.amir, "tab:red")):
+            bands = [mean_interval([curve[k] for curve in curves]) for k in range(len(probe.steps))]
+            ax_runs.plot(probe.steps, [b[0] for b in bands], "o-", color=color, label=label)
+            ax_runs.fill_between(probe.steps, [b[1] for b in bands], [b[2] for b in bands], color=color, alpha=0.2)
+        ax_runs.set_title(f"probe {name}: mean over {len(probe.grpo)} seeds, {pct} band", fontsize=9)
+        ax_runs.legend(fontsize=8)
+        for g, a in zip(probe.grpo, probe.amir):
+            ax_diff.plot(probe.steps, [None if x is None or y is None else y - x for x, y in zip(g, a)], "-",
+                         color="grey", alpha=0.5, lw=1)
+        c = probe.comparison
+        ax_diff.plot(probe.steps, [d.mean for d in c.per_checkpoint], "s-", color="black", lw=2, label="mean")
+        ax_diff.fill_between(probe.steps, [d.low for d in c.per_checkpoint], [d.high for d in c.per_checkpoint],
+                             color="black", alpha=0.15, label=f"{pct} paired t")
+        ax_diff.axhline(0, color="tab:grey", lw=0.8)
+        band = "" if math.isnan(c.area.low) else f" [{c.area.low:+.3f}, {c.area.high:+.3f}]"
+        ax_diff.set_title(f"{AMIR} minus {BASE}, per seed\nmean over training {c.area.mean:+.3f}{band}", fontsize=9)
+        ax_diff.legend(fontsize=8)
+        for ax in (ax_runs, ax_diff):
+            ax.set_xlabel("training step")
+            ax.grid(alpha=0.3)
+    return _save_figure(fig, path, title)
 
 
 @stops_on_sigterm
@@ -246,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task", choices=list(TASKS), required=True)
     p.add_argument("--seeds", type=int, default=8, help="number of seeds (pairs of runs)")
     p.add_argument("--first-seed", type=int, default=0)
-    p.add_argument("--steps", type=int, help="training steps of each run (toy only; default the demo's 40)")
+    p.add_argument("--steps", type=int, help="training steps of each run (toy only; default the task's)")
     p.add_argument("--workdir", type=Path, help="default: amir_study_<task>")
     p.add_argument("--record", action="store_true", help="also write the table to docs/results/study_<task>.md")
     p.add_argument("overrides", nargs="*", help="extra hydra overrides for every run (after --)")
@@ -262,9 +505,14 @@ def main(argv: list[str] | None = None) -> int:
     workdir = (args.workdir or Path(f"amir_study_{task.name}")).resolve()
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     start = time.monotonic()
+    settings = {"task": task.name, "steps": steps, "overrides": args.overrides}
+    if task.setting is not None:  # recorded only where a task has one: older studies stay resumable
+        settings["setting"] = task.setting
     try:
-        claim_workdir(workdir, {"task": task.name, "steps": steps, "overrides": args.overrides})
-        summaries = run_study(task, workdir, seeds, steps, args.overrides)
+        claim_workdir(workdir, settings)
+        setting = task.prepare(workdir) if task.prepare is not None else []
+        summaries, scores = run_study(task, workdir, seeds, steps, setting, args.overrides)
+        probe_set = shared_probe_set(workdir, list(scores)) if scores else None
     except StudyError as error:
         print(f"[study] error: {error}", file=sys.stderr)
         return error.status
@@ -274,17 +522,30 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     differences = compare(summaries)
     table = study_table(task, summaries, differences)
+    steps_text = f"{steps} steps" if steps else "size study"
+    title = f"{AMIR} minus {BASE}, {task.name}, {steps_text}, seeds {seeds[0]}-{seeds[-1]}"
+    facts = {seed: f for seed in summaries if (f := read_run_facts(seed_dir(workdir, seed))) is not None}
+    if facts:
+        table += "\n\nPer seed, from the runs' verl metrics:\n\n" + facts_table(facts)
+    figures_png = workdir / "study.png"
+    if scores:
+        comparisons = compare_probes(scores)
+        table += "\n\n" + probe_table(comparisons, probe_set.description)
+        write_probe_csv(workdir / "study_probes.csv", scores)
+        plot_probes(workdir / "study.png", comparisons, f"probe set, {title}")
+        figures_png = workdir / "study_figures.png"
     (workdir / "study.md").write_text(table + "\n")
     write_csv(workdir / "study.csv", summaries)
-    steps_text = f"{steps} steps" if steps else "size study"
-    png = plot_study(workdir / "study.png", summaries, differences,
-                     f"{AMIR} minus {BASE}, {task.name}, {steps_text}, seeds {seeds[0]}-{seeds[-1]}")
+    plot_study(figures_png, summaries, differences, title)
     print(f"\n{table}\n")
     if args.record:
         command = "python -m amir_verl.study " + shlex.join(sys.argv[1:] if argv is None else argv)
         # the report's '## ' title as a plain line: the page that includes the file has its own headings
         recorded = write_results(f"study_{task.name}", command, table.removeprefix("## "))
-        print(f"[study] table recorded in {recorded}")
+        plot = recorded.parent.parent / f"study_{task.name}.png"  # docs/: the study page shows it
+        shutil.copyfile(workdir / "study.png", plot)
+        print(f"[study] table recorded in {recorded}, plot in {plot}")
     print(f"[study] {len(seeds)} seeds in {time.monotonic() - start:.0f} s; table {workdir / 'study.md'}, "
-          f"per seed {workdir / 'study.csv'}, plot {png}")
+          f"per seed {workdir / 'study.csv'}" + (f", probe scores {workdir / 'study_probes.csv'}" if scores else "")
+          + f", plot {workdir / 'study.png'}" + (f" and {figures_png}" if scores else ""))
     return 0
