@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -197,3 +198,35 @@ def paired_t_by_hand(differences: list[float]) -> tuple[float, float]:
     mean = sum(differences) / n
     sd = (sum((d - mean) ** 2 for d in differences) / (n - 1)) ** 0.5
     return mean, T_975[n - 1] * sd / n ** 0.5
+
+
+def plain_mean_log_probs(model, prompt: list[int], response: list[int]) -> float:
+    """Mean over the response's tokens of log pi(token | everything before it), one unpadded sequence."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0]
+    log_probs = torch.log_softmax(logits.double(), -1)
+    total = 0.0
+    for k, token in enumerate(response):
+        total += float(log_probs[len(prompt) + k - 1, token])
+    return total / len(response)
+
+
+def plain_scores(model, probe_set) -> dict[str, float]:
+    """The figures of ``probe_set`` (:class:`amir_verl.study.probes.ProbeSet`) under ``model`` by their definitions,
+    in plain Python (the study's probe tests)."""
+    margins, accuracies, rights, wrongs, tops = [], [], [], [], []
+    for p in probe_set.prompts:
+        scored = [(plain_mean_log_probs(model, list(p.prompt_ids), list(r.token_ids)), r.correct) for r in p.responses]
+        right = [s for s, ok in scored if ok]
+        wrong = [s for s, ok in scored if not ok]
+        if not right or not wrong:
+            continue
+        rights.append(sum(right) / len(right))
+        wrongs.append(sum(wrong) / len(wrong))
+        margins.append(rights[-1] - wrongs[-1])
+        accuracies.append(sum(1 for c in right for w in wrong if c > w) / (len(right) * len(wrong)))
+        best = max(scored, key=lambda item: item[0])
+        tops.append(1.0 if best[1] else 0.0)
+    n = len(margins)
+    return {"prompts": n, "margin": sum(margins) / n, "pair_accuracy": sum(accuracies) / n,
+            "correct_log_prob": sum(rights) / n, "incorrect_log_prob": sum(wrongs) / n, "top_correct": sum(tops) / n}

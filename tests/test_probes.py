@@ -30,7 +30,7 @@ from amir_verl.study.statistics import (
     paired_t_power,
     trapezoid_area,
 )
-from tests.support import T_975
+from tests.support import T_975, plain_mean_log_probs, plain_scores
 from tests.support import paired_t_by_hand as by_hand
 
 # t(0.80, df) from a printed table of Student's t distribution (the power quantile of the detectable difference)
@@ -45,37 +45,6 @@ def toy(tmp_path_factory):
     model = make_model(root / "model", tokenizer, seed=3).eval()
     data = make_dataset(root / "data", n_train=4, n_test=6)
     return {"root": root, "tokenizer": tokenizer, "model": model, "model_dir": root / "model", "test": data["test"]}
-
-
-def plain_mean_log_probs(model, prompt: list[int], response: list[int]) -> float:
-    """Mean over the response's tokens of log pi(token | everything before it), one unpadded sequence."""
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + response])).logits[0]
-    log_probs = torch.log_softmax(logits.double(), -1)
-    total = 0.0
-    for k, token in enumerate(response):
-        total += float(log_probs[len(prompt) + k - 1, token])
-    return total / len(response)
-
-
-def plain_scores(model, probe_set: probes.ProbeSet) -> dict[str, float]:
-    """The probe figures by their definitions, in plain Python."""
-    margins, accuracies, rights, wrongs, tops = [], [], [], [], []
-    for p in probe_set.prompts:
-        scored = [(plain_mean_log_probs(model, list(p.prompt_ids), list(r.token_ids)), r.correct) for r in p.responses]
-        right = [s for s, ok in scored if ok]
-        wrong = [s for s, ok in scored if not ok]
-        if not right or not wrong:
-            continue
-        rights.append(sum(right) / len(right))
-        wrongs.append(sum(wrong) / len(wrong))
-        margins.append(rights[-1] - wrongs[-1])
-        accuracies.append(sum(1 for c in right for w in wrong if c > w) / (len(right) * len(wrong)))
-        best = max(scored, key=lambda item: item[0])
-        tops.append(1.0 if best[1] else 0.0)
-    n = len(margins)
-    return {"prompts": n, "margin": sum(margins) / n, "pair_accuracy": sum(accuracies) / n,
-            "correct_log_prob": sum(rights) / n, "incorrect_log_prob": sum(wrongs) / n, "top_correct": sum(tops) / n}
 
 
 def assert_scores_match(score: probes.ProbeScore, plain: dict[str, float]) -> None:
