@@ -13,6 +13,7 @@ statistics (amir_verl/study/statistics.py) against a hand computation with t qua
 
 import math
 import random
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -289,7 +290,7 @@ def test_a_demo_pair_is_scored_on_one_probe_set_and_read_back(toy, tmp_path):
 
 def test_probe_curves_feed_the_curve_comparison():
     def score(margin):
-        return probes.ProbeScore(4, margin, 0.5, -1.0, -1.0 - margin, 0.25)
+        return asdict(probes.ProbeScore(4, margin, 0.5, -1.0, -1.0 - margin, 0.25))
 
     per_seed = {seed: {"grpo": {0: score(0.0), 10: score(0.1 * seed), 20: score(0.2)},
                        "amir_grpo": {0: score(0.0), 10: score(0.3), 20: score(0.1 + 0.2 * seed)}}
@@ -304,6 +305,11 @@ def test_probe_curves_feed_the_curve_comparison():
     assert comparison.detectable_per_checkpoint[1] == pytest.approx(detectable_difference(comparison.per_checkpoint[1]))
     with pytest.raises(ValueError, match="not a probe figure"):
         probes.probe_curves(per_seed, "prompts")
+    per_seed[0]["grpo"][10]["brier"] = 0.2  # a figure only some checkpoints have: the others are left out
+    per_seed[1]["amir_grpo"][20]["brier"] = float("nan")
+    assert probes.probe_curves(per_seed, "brier") == ([10], [[0.2], [None], [None]], [[None], [None], [None]])
+    with pytest.raises(ValueError, match="no run has the figure"):
+        probes.probe_curves(per_seed, "incorrect_response_tokens")
 
 
 def test_a_probe_set_saves_and_loads_with_its_fingerprint(toy, tmp_path):

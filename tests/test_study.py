@@ -332,7 +332,7 @@ def test_the_toy_report_compares_the_probe_curves_and_the_step_times_by_hand(tmp
         assert float(cells[6]) == pytest.approx(ratio, abs=1e-3)
     ratios = sorted(sorted(a[1:])[1] / sorted(g[1:])[1] for g, a in STEP_TIMES.values())
     assert f"median {ratios[1]:.3f}, range {ratios[0]:.3f} to {ratios[2]:.3f}" in table
-    assert "Probe set (the same for both runs of every seed): three stand-in prompts" in table
+    assert "Probe set (the same for both runs of every seed: three stand-in prompts)" in table
     rows = (work / "study_probes.csv").read_text().splitlines()
     assert rows[0].startswith("seed,run,step,prompts,margin") and len(rows) == 1 + 3 * 2 * 3
     assert (work / "study.png").stat().st_size > 10_000 and (work / "study_figures.png").stat().st_size > 10_000
@@ -343,3 +343,25 @@ def test_the_toy_report_compares_the_probe_curves_and_the_step_times_by_hand(tmp
     ProbeSet("toy", "another probe set", other).save(work / "seed_1" / PROBE_FILE)
     assert study.main(["--task", "toy", "--seeds", "3", "--workdir", str(work)]) == 1
     assert "the seeds were scored on different probe sets" in capsys.readouterr().err
+
+
+def test_validation_curves_read_each_dump_by_hand(tmp_path):
+    """The incorrect responses' length (whitespace words under a word tokenizer) and the Brier score over the
+    responses that state a confidence, per dumped step, from dumps written by verl's own writer."""
+    from tests.support import verl_dump, word_tokenizer
+
+    tokenizer = word_tokenizer(tmp_path / "tok")
+    folder = tmp_path / "validation"
+
+    def line(problem, output, acc, confidence, k):
+        return {"input": f"q{problem}", "output": output, "score": float(acc), "acc": acc, "confidence": confidence,
+                "problem_id": str(problem), "data_source": "openai/gsm8k", "uid": f"u{problem}_{k}_0"}
+
+    verl_dump(folder, 0, [line(1, "a b c", 0, 0.9, 0), line(1, "a b", 1, 0.5, 1), line(2, "a b c d e", 0, -1, 2)])
+    verl_dump(folder, 2, [line(1, "a", 1, 0.8, 0), line(2, "b c", 1, -1, 1)])
+    (folder / "notes.jsonl").write_text("")  # not a step's dump: left alone
+    curves = study.validation_curves(folder, tokenizer)
+    assert list(curves) == [0, 2]
+    assert curves[0][study.INCORRECT_TOKENS] == pytest.approx((3 + 5) / 2)
+    assert curves[0][study.BRIER] == pytest.approx(((0 - 0.9) ** 2 + (1 - 0.5) ** 2) / 2)  # -1: no confidence
+    assert math.isnan(curves[2][study.INCORRECT_TOKENS]) and curves[2][study.BRIER] == pytest.approx(0.04)

@@ -142,15 +142,17 @@ class Size:
     eval_problems: int  # per evaluation benchmark
     cold_start_steps: int
     overlong_problems: int = 0  # OlympiadBench problems with a prompt over the recipe's limit (the filter drops them)
+    checkpoint_every: int | None = None  # also validate and checkpoint every this many steps (None: the last only)
 
     def overrides(self) -> list[str]:
+        every = self.checkpoint_every or self.steps
         return [
             f"data.train_batch_size={self.prompts_per_step}",
             f"actor_rollout_ref.actor.ppo_mini_batch_size={self.prompts_per_step}",
             f"data.max_response_length={self.response_tokens}",
             f"trainer.total_training_steps={self.steps}",
-            f"trainer.test_freq={self.steps}",
-            f"trainer.save_freq={self.steps}",
+            f"trainer.test_freq={every}",
+            f"trainer.save_freq={every}",
         ]
 
 
@@ -160,10 +162,11 @@ SIZES = {
     # CI's size: a 4-step cold start already teaches the answer template (SFT loss 0.77 -> 0.09; 8 steps: 0.04)
     "test": Size(steps=2, prompts_per_step=2, response_tokens=40, train_problems=16, gsm8k_test_problems=2,
                  eval_problems=1, cold_start_steps=4),
-    # one seed of `python -m amir_verl.study --task smollm2`: the test size's lengths, more steps and more
-    # validation problems with both outcomes to measure the margin on
-    "study": Size(steps=4, prompts_per_step=2, response_tokens=40, train_problems=32, gsm8k_test_problems=4,
-                  eval_problems=1, cold_start_steps=8),
+    # one seed of `python -m amir_verl.study --task smollm2`: the test size's lengths, 10 steps, validated and
+    # checkpointed every 2 steps (each checkpoint is scored on the probe set; each validation gives the sampled
+    # responses' lengths and Brier score), more validation problems with both outcomes
+    "study": Size(steps=10, prompts_per_step=2, response_tokens=40, train_problems=32, gsm8k_test_problems=4,
+                  eval_problems=1, cold_start_steps=8, checkpoint_every=2),
 }
 RUN_TIMEOUT_S = 3600
 

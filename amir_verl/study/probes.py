@@ -440,51 +440,72 @@ def read_scores(path: Path, probes: ProbeSet | None = None) -> dict[int, ProbeSc
 DEMO_RUNS = ("grpo", "amir_grpo")  # amir_verl.demo.quickstart.RUNS' names: GRPO (lambda 0) and AMIR-GRPO
 
 
-def score_demo_pair(workdir: Path, runs: Sequence[str] = DEMO_RUNS, every_sum: bool = True,
-                    batch_size: int = SCORING_BATCH, progress: Callable[[str], None] | None = None,
-                    probe_rows: Sequence[dict] | None = None, initial_model: Path | None = None,
-                    grade: Callable[..., dict] | None = None) -> dict[str, dict[int, ProbeScore]]:
-    """The probe scores of a demo workdir's runs (:mod:`amir_verl.demo.quickstart` run with
-    ``-- trainer.save_freq=K``): the toy probe set (:func:`toy_probe_set`, graded by ``grade``) of ``probe_rows``,
-    else of every sum (:func:`toy_probe_rows`; ``every_sum=False``: of the validation file
-    ``workdir/data/test.parquet``), under the tokenizer of the starting model ``initial_model`` (default
-    ``workdir/model``, the demo's), saved once to ``workdir/probes.json`` (read back, not rebuilt, when there),
-    then each run's checkpoints ``workdir/<run>/checkpoints`` and the starting model (step 0, shared), written to
-    ``workdir/<run>/probe_scores.json``. A run whose scores file exists for this probe set is read, not rescored."""
-    from transformers import AutoTokenizer
-
-    workdir = Path(workdir)
-    initial_model = Path(initial_model) if initial_model is not None else workdir / "model"
-    path = workdir / PROBE_FILE
-    if path.exists():
-        probe_set = ProbeSet.load(path)
-    else:
-        if probe_rows is not None:
-            source = list(probe_rows)
-        else:
-            source = toy_probe_rows() if every_sum else workdir / "data" / "test.parquet"
-        probe_set = toy_probe_set(source, AutoTokenizer.from_pretrained(initial_model), grade)
+def score_pair(workdir: Path, run_dirs: dict[str, Path], initial_model: Path, make_probe_set: Callable[[], ProbeSet],
+               adapter: Path | None = None, batch_size: int = SCORING_BATCH,
+               progress: Callable[[str], None] | None = None) -> dict[str, dict[int, ProbeScore]]:
+    """The probe scores of a pair's runs: the probe set ``make_probe_set()`` saved once to ``workdir/probes.json``
+    (read back, not rebuilt, when there), then each run's checkpoints ``<run dir>/checkpoints`` and the shared
+    starting model ``initial_model`` (step 0), scored by :func:`score_run` (``adapter``: the runs' initial LoRA
+    adapter) and written to ``<run dir>/probe_scores.json``; a run whose scores file exists for this probe set is
+    read, not rescored. ``run_dirs``: {run name: its folder}."""
+    path = Path(workdir) / PROBE_FILE
+    probe_set = ProbeSet.load(path) if path.exists() else make_probe_set()
+    if not path.exists():
         probe_set.save(path)
     scores = {}
-    for run in runs:
-        out = workdir / run / SCORES_FILE
+    for run, run_dir in run_dirs.items():
+        out = Path(run_dir) / SCORES_FILE
         if out.exists():
             scores[run] = read_scores(out, probe_set)
             continue
-        scores[run] = score_run(workdir / run / "checkpoints", initial_model, probe_set, batch_size=batch_size,
+        scores[run] = score_run(Path(run_dir) / "checkpoints", initial_model, probe_set, batch_size=batch_size,
+                                adapter=adapter,
                                 progress=progress and (lambda line, run=run: progress(f"[{run}] {line}")))
         write_scores(out, probe_set, scores[run])
     return scores
 
 
-def probe_curves(per_seed: dict[int, dict[str, dict[int, ProbeScore]]], figure: str, base: str = DEMO_RUNS[0],
+def score_demo_pair(workdir: Path, runs: Sequence[str] = DEMO_RUNS, every_sum: bool = True,
+                    batch_size: int = SCORING_BATCH, progress: Callable[[str], None] | None = None,
+                    probe_rows: Sequence[dict] | None = None, initial_model: Path | None = None,
+                    grade: Callable[..., dict] | None = None) -> dict[str, dict[int, ProbeScore]]:
+    """:func:`score_pair` of a demo workdir's runs (:mod:`amir_verl.demo.quickstart` run with
+    ``-- trainer.save_freq=K``, each in ``workdir/<run>``): the toy probe set (:func:`toy_probe_set`, graded by
+    ``grade``) of ``probe_rows``, else of every sum (:func:`toy_probe_rows`; ``every_sum=False``: of the
+    validation file ``workdir/data/test.parquet``), under the tokenizer of the starting model ``initial_model``
+    (default ``workdir/model``, the demo's)."""
+    from transformers import AutoTokenizer
+
+    workdir = Path(workdir)
+    initial_model = Path(initial_model) if initial_model is not None else workdir / "model"
+
+    def make_probe_set() -> ProbeSet:
+        if probe_rows is not None:
+            source = list(probe_rows)
+        else:
+            source = toy_probe_rows() if every_sum else workdir / "data" / "test.parquet"
+        return toy_probe_set(source, AutoTokenizer.from_pretrained(initial_model), grade)
+
+    return score_pair(workdir, {run: workdir / run for run in runs}, initial_model, make_probe_set,
+                      batch_size=batch_size, progress=progress)
+
+
+def probe_curves(per_seed: dict[int, dict[str, dict[int, dict[str, float]]]], figure: str, base: str = DEMO_RUNS[0],
                  other: str = DEMO_RUNS[1]) -> tuple[list[int], list[list[float | None]], list[list[float | None]]]:
-    """(steps, base curves, other curves) of one :class:`ProbeScore` field, seed by seed in ``per_seed``'s order,
-    over the union of the steps scored (None where a run lacks a step), for
+    """(steps, base curves, other curves) of one figure (a :class:`ProbeScore` field as :func:`dataclasses.asdict`
+    names it, or any other figure a run has per step), seed by seed in ``per_seed``'s order ({seed: {run: {step:
+    {figure: value}}}}), over the union of the steps where a run has the figure (None where a run lacks it), for
     :func:`amir_verl.study.statistics.compare_curves`."""
-    if figure not in ProbeScore.__dataclass_fields__ or figure == "prompts":
+    if figure == "prompts":
         raise ValueError(f"{figure!r} is not a probe figure")
-    steps = sorted({step for runs in per_seed.values() for run in (base, other) for step in runs[run]})
-    curves = {run: [[getattr(runs[run][s], figure) if s in runs[run] else None for s in steps]
-                    for runs in per_seed.values()] for run in (base, other)}
+
+    def value(step_values: dict[int, dict[str, float]], step: int) -> float | None:
+        found = step_values.get(step, {}).get(figure)
+        return None if found is None or (isinstance(found, float) and math.isnan(found)) else found
+
+    steps = sorted({step for runs in per_seed.values() for run in (base, other)
+                    for step in runs[run] if value(runs[run], step) is not None})
+    if not steps:
+        raise ValueError(f"no run has the figure {figure!r}")
+    curves = {run: [[value(runs[run], s) for s in steps] for runs in per_seed.values()] for run in (base, other)}
     return steps, curves[base], curves[other]

@@ -11,17 +11,22 @@ For each seed it runs one pair, GRPO and AMIR-GRPO side by side from the same st
   order, the rollout sampling and the actor's mini-batches. GRPO is run through the AMIR trainer with lambda 0,
   so its pairs are measured too. After each pair, every checkpoint of both runs is scored on the fixed probe
   set (:func:`amir_verl.study.probes.score_demo_pair`: the 100 validation prompts, each with the ten digits).
-- ``smollm2``: the paper pipeline (:mod:`amir_verl.paper_pipeline.pipeline`, ``--size study --seed S``) on
-  SmolLM2-135M-Instruct. The seed sets the generated data, the cold start, the initial LoRA adapter (shared
-  by the pair) and the sampling; the study raises the recipe's learning rate (:data:`SMOLLM2_STUDY_OVERRIDES`)
-  and gives the AMIR run a fixed lambda of 2 (:data:`SMOLLM2_STUDY_AMIR_OVERRIDES`).
+- ``smollm2``: the paper pipeline (:mod:`amir_verl.paper_pipeline.pipeline`, ``--size study --seed S``: 10 steps,
+  validated and checkpointed every 2) on SmolLM2-135M-Instruct. The seed sets the generated data, the cold
+  start, the initial LoRA adapter (shared by the pair) and the sampling; the study raises the recipe's learning
+  rate (:data:`SMOLLM2_STUDY_OVERRIDES`) and gives the AMIR run a fixed lambda of 2
+  (:data:`SMOLLM2_STUDY_AMIR_OVERRIDES`). After each pair, every checkpoint of both runs is scored on the seed's
+  probe set (:func:`amir_verl.study.probes.sampled_probe_set`: :data:`SMOLLM2_PROBE_SAMPLES` responses to each
+  validation prompt, sampled once from the seed's cold-started model and graded), and each validation dump gives
+  the incorrect responses' length and the Brier score (:func:`validation_curves`).
 
 Each pair writes its figures to ``<workdir>/seed_<S>/summary.json`` (:mod:`amir_verl.run_figures`). The study
 then reports, per figure, AMIR minus GRPO seed by seed and its mean with a 95% paired t interval
 (:mod:`amir_verl.study.statistics`): ``<workdir>/study.md`` (also printed), ``study.csv`` (every seed's
 figures) and ``study.png``; where the runs have verl metrics, per seed the validation accuracy before and after
-training, AMIR's steps with pairs and the AMIR-GRPO / GRPO median step time; with probes, per probe figure
-(margin, pair accuracy) AMIR minus GRPO at each checkpoint and averaged over training, with the paired interval
+training, AMIR's steps with pairs and the AMIR-GRPO / GRPO median step time; with probes, per figure of
+:data:`CURVE_FIGURES` (probe margin and pair accuracy; smollm2 also the sampled lengths and Brier score) AMIR
+minus GRPO at each checkpoint and averaged over training, with the paired interval
 and the smallest detectable difference (``study_probes.csv``: every score; ``study.png``: the probe curves,
 the end-of-run figures then in ``study_figures.png``). With ``--record`` the report goes to
 ``docs/results/study_<task>.md`` too (:mod:`amir_verl.results_page`), where the documentation includes it. It
@@ -50,6 +55,7 @@ from amir_verl.cpu.launch import VERL_METRICS_FILE, read_verl_metrics, stops_on_
 from amir_verl.cpu.progress import validation_accuracy
 from amir_verl.metrics import NUM_PAIRS, format_value
 from amir_verl.paper_pipeline import VARIANTS
+from amir_verl.paper_pipeline.pipeline import SIZES
 from amir_verl.results_page import write_results
 from amir_verl.study import toy_setting
 from amir_verl.study.probes import DEMO_RUNS, PROBE_FILE, ProbeScore, ProbeSet, probe_curves
@@ -74,9 +80,15 @@ RUN_FOLDERS = dict(zip((BASE, AMIR), DEMO_RUNS))  # label -> the run's folder in
 # and the validation differ); a smaller setting would measure a difference of zero by construction.
 SMOLLM2_STUDY_OVERRIDES = ("actor_rollout_ref.actor.optim.lr=1e-3",)
 SMOLLM2_STUDY_AMIR_OVERRIDES = ("amir.lambda_rule=fixed", "+amir.lambda_init=2.0")
+# The hf rollout server, the pair side by side (one thread each), not verl's vllm rollout one run after the other:
+# on 2 cores the vLLM engine's worker kept a core busy while the actor computed, and a step of the study's size
+# took 150 s (2026-12-07, seed 0: old log-probs 37 s, reference 26 s, update 59 s, generation 27 s). Side by
+# side, the step-time ratio is also measured under the same load for both runs.
+SMOLLM2_STUDY_ROLLOUT = "hf"
 
 
-Scores = dict[str, dict[int, ProbeScore]]  # a seed's probe scores: {run folder: {step: score}}
+Scores = dict[str, dict[int, ProbeScore]]  # a seed's probe scores: {run: {step: score}}
+Curves = dict[str, dict[int, dict[str, float]]]  # a seed's figures per checkpoint: {run: {step: {figure: value}}}
 
 
 @dataclass(frozen=True)
@@ -86,7 +98,11 @@ class Task:
 
     Optional: ``prepare(study_dir)`` makes what every seed shares in the study's folder once and returns the
     overrides that point the runs at it (given before the user's); ``setting`` is what study.json records of it;
-    ``score(study_dir, seed_dir, progress)`` scores the pair's checkpoints on the task's probe set."""
+    ``score(study_dir, seed_dir, progress)`` scores the pair's checkpoints on the task's probe set (one for every
+    seed, or with ``probe_set_per_seed`` one per seed, sampled from that seed's starting model);
+    ``sampled(seed_dir)`` reads the figures of each run's sampled responses per validated step
+    ({run: {step: {figure: value}}}, figures of :data:`CURVE_FIGURES`); ``run_dirs(seed_dir)`` names each run's
+    folder, where verl's metrics file is ({run: folder}, the runs named as :data:`RUN_FOLDERS` does)."""
 
     name: str
     description: str
@@ -96,6 +112,9 @@ class Task:
     prepare: Callable[[Path], list[str]] | None = None
     setting: dict | None = None
     score: Callable[[Path, Path, Callable[[str], None]], Scores] | None = None
+    probe_set_per_seed: bool = False
+    sampled: Callable[[Path], Curves] | None = None
+    run_dirs: Callable[[Path], dict[str, Path]] = lambda folder: {run: folder / run for run in DEMO_RUNS}
 
 
 def _toy_main(argv: list[str]) -> int:
@@ -121,6 +140,75 @@ def _smollm2_main(argv: list[str]) -> int:
     return pipeline.main(argv)
 
 
+def _smollm2_run_dirs(folder: Path) -> dict[str, Path]:
+    from amir_verl.paper_pipeline import experiment
+
+    return {run: folder / "outputs" / experiment(run) for run in DEMO_RUNS}  # the pipeline's variants: same names
+
+
+SMOLLM2_PROBE_SAMPLES = 8  # responses per validation prompt in the probe set
+
+
+def _smollm2_score(study_dir: Path, folder: Path, progress: Callable[[str], None]) -> Scores:
+    from amir_verl.study.probes import read_rows, sampled_probe_set, score_pair
+
+    model, adapter = folder / "models" / "smollm2_cold_start", folder / "models" / "lora_init"
+    data = folder / "data" / "amir"
+    seed = int(folder.name.removeprefix("seed_"))  # seed_dir's name
+
+    def make_probe_set():
+        # the runs' validation prompts (the recipe's val_files), sampled from the seed's starting policy: the
+        # cold-started model with the initial adapter, whose B = 0 leaves it the model
+        rows = read_rows([data / "gsm8k" / "test.parquet", *sorted((data / "eval").glob("*/*.parquet"))])
+        progress(f"probe set: {SMOLLM2_PROBE_SAMPLES} responses to each of {len(rows)} validation prompts, "
+                 f"sampled from {model.name}")
+        return sampled_probe_set(model, rows, samples_per_prompt=SMOLLM2_PROBE_SAMPLES,
+                                 max_new_tokens=SIZES["study"].response_tokens, seed=seed, task="smollm2")
+
+    return score_pair(folder, _smollm2_run_dirs(folder), model, make_probe_set, adapter=adapter, progress=progress)
+
+
+def _smollm2_sampled(folder: Path) -> Curves:
+    """Each run's :func:`validation_curves`; step 0 is the first run's (the pipeline validates a pair's shared
+    start once)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder / "models" / "smollm2_cold_start")
+    curves = {run: validation_curves(run_dir / "validation", tokenizer)
+              for run, run_dir in _smollm2_run_dirs(folder).items()}
+    first, second = DEMO_RUNS
+    if 0 in curves[first]:
+        curves[second].setdefault(0, curves[first][0])
+    return curves
+
+
+INCORRECT_TOKENS, BRIER = "incorrect_response_tokens", "brier"
+
+
+def validation_curves(validation_dir: Path, tokenizer) -> dict[int, dict[str, float]]:
+    """{step: figures} of a run's validation dumps (verl's ``<validation_dir>/<step>.jsonl``): the mean length
+    in ``tokenizer``'s tokens of the incorrect responses (NaN where none is) and the Brier score over the
+    responses that state a confidence (:func:`amir_verl.evaluation.analyses.calibration`'s ``brier_stated``;
+    NaN where none does)."""
+    from amir_verl.evaluation.analyses import calibration
+    from amir_verl.evaluation.passk import NothingToMeasure
+    from amir_verl.evaluation.records import load_run
+
+    curves = {}
+    for path in sorted(Path(validation_dir).glob("*.jsonl")):
+        if not path.stem.isdigit():
+            continue
+        samples = load_run(path).samples
+        lengths = [len(tokenizer(s.response, add_special_tokens=False)["input_ids"]) for s in samples if not s.correct]
+        try:
+            brier = calibration(samples)[1]["brier_stated"]
+        except NothingToMeasure:
+            brier = math.nan
+        curves[int(path.stem)] = {INCORRECT_TOKENS: sum(lengths) / len(lengths) if lengths else math.nan,
+                                  BRIER: brier}
+    return dict(sorted(curves.items()))
+
+
 TASKS = {
     "toy": Task("toy", "the copy-digit task on the demo's tiny model, cold-started (amir_verl.study.toy_setting)",
                 60, _toy_main,
@@ -129,8 +217,13 @@ TASKS = {
                 prepare=_toy_prepare, setting=toy_setting.RECORD, score=_toy_score),
     "smollm2": Task("smollm2", "the paper pipeline on SmolLM2-135M-Instruct (size `study`)", None, _smollm2_main,
                     lambda d, seed, steps, extra: ["--workdir", str(d), "--size", "study", "--seed", str(seed),
+                                                   "--rollout", SMOLLM2_STUDY_ROLLOUT,
                                                    *(f"--amir-override={o}" for o in SMOLLM2_STUDY_AMIR_OVERRIDES),
-                                                   "--", *SMOLLM2_STUDY_OVERRIDES, *extra]),
+                                                   "--", *SMOLLM2_STUDY_OVERRIDES, *extra],
+                    setting={"size": asdict(SIZES["study"]), "rollout": SMOLLM2_STUDY_ROLLOUT,
+                             "probe_samples": SMOLLM2_PROBE_SAMPLES},
+                    score=_smollm2_score, probe_set_per_seed=True, sampled=_smollm2_sampled,
+                    run_dirs=_smollm2_run_dirs),
 }
 STUDY_FILE = "study.json"
 
@@ -263,12 +356,13 @@ def _figures_line(summary: dict, label: str) -> str:
 
 
 def run_study(task: Task, workdir: Path, seeds: list[int], steps: int | None, setting: list[str],
-              overrides: list[str]) -> tuple[dict[int, dict], dict[int, Scores]]:
+              overrides: list[str]) -> tuple[dict[int, dict], dict[int, Curves]]:
     """Train the seeds not done yet, one pair at a time (``setting``'s overrides, then the user's), and score
     each pair's checkpoints where the task has probes (a run's scores file is read, not redone); returns
-    ({seed: summary.json}, {seed: probe scores}, the latter empty without probes)."""
+    ({seed: summary.json}, {seed: figures per checkpoint}: the probe scores and the sampled figures, empty
+    without probes)."""
     summaries: dict[int, dict] = {}
-    scores: dict[int, Scores] = {}
+    scores: dict[int, Curves] = {}
     durations: list[float] = []
     for number, seed in enumerate(seeds, start=1):
         folder = seed_dir(workdir, seed)
@@ -290,10 +384,15 @@ def run_study(task: Task, workdir: Path, seeds: list[int], steps: int | None, se
             for label in (BASE, AMIR):
                 print(f"[study] seed {seed} {label}: {_figures_line(summaries[seed], label)}", flush=True)
         if task.score is not None:
-            scores[seed] = task.score(workdir, folder, lambda line, seed=seed: print(f"[study] seed {seed} {line}",
+            probe_scores = task.score(workdir, folder, lambda line, seed=seed: print(f"[study] seed {seed} {line}",
                                                                                     flush=True))
             for label, run in RUN_FOLDERS.items():
-                print(f"[study] seed {seed} {label}: {_probe_line(scores[seed][run])}", flush=True)
+                print(f"[study] seed {seed} {label}: {_probe_line(probe_scores[run])}", flush=True)
+            sampled = task.sampled(folder) if task.sampled is not None else {}
+            scores[seed] = {run: {step: {**sampled.get(run, {}).get(step, {}),
+                                         **(asdict(probe_scores[run][step]) if step in probe_scores[run] else {})}
+                                  for step in sorted(probe_scores[run].keys() | sampled.get(run, {}).keys())}
+                            for run in RUN_FOLDERS.values()}
         if trained_from is not None:
             durations.append(time.monotonic() - trained_from)
             left = sum(1 for s in seeds[number:] if not (seed_dir(workdir, s) / run_figures.SUMMARY_FILE).exists())
@@ -302,13 +401,17 @@ def run_study(task: Task, workdir: Path, seeds: list[int], steps: int | None, se
     return summaries, scores
 
 
-def shared_probe_set(workdir: Path, seeds: list[int]) -> ProbeSet:
-    """The probe set every seed's pair was scored on (each seed's ``probes.json``), refused unless it is one."""
+def probe_set_text(task: Task, workdir: Path, seeds: list[int]) -> str:
+    """What the report says of the probe set: the one every seed's pair was scored on (each seed's
+    ``probes.json``), refused unless it is one; with ``task.probe_set_per_seed``, each seed's own."""
     probe_sets = {seed: ProbeSet.load(seed_dir(workdir, seed) / PROBE_FILE) for seed in seeds}
+    if task.probe_set_per_seed:
+        sizes = ", ".join(f"seed {seed}: {len(p.prompts)} prompts" for seed, p in probe_sets.items())
+        return f"one per seed, shared by the seed's two runs: {probe_sets[seeds[0]].description} ({sizes})"
     fingerprints = {seed: p.fingerprint() for seed, p in probe_sets.items()}
     if len(set(fingerprints.values())) > 1:
         raise StudyError(f"the seeds were scored on different probe sets ({fingerprints}): their curves do not compare")
-    return probe_sets[seeds[0]]
+    return f"the same for both runs of every seed: {probe_sets[seeds[0]].description}"
 
 
 def _probe_line(run_scores: dict[int, ProbeScore]) -> str:
@@ -320,9 +423,11 @@ def _probe_line(run_scores: dict[int, ProbeScore]) -> str:
 
 # ---- the probe curves, the runs' facts and their report ----------------------------------------------------------
 
-PROBE_FIGURES = {  # ProbeScore field -> what the report calls it
+CURVE_FIGURES = {  # figure per checkpoint (a ProbeScore field, or a sampled figure) -> what the report calls it
     "margin": "probe margin (mean log-prob per token of the correct response minus that of the incorrect ones)",
     "pair_accuracy": "probe pair accuracy (share of (correct, incorrect) pairs with the correct one scored higher)",
+    INCORRECT_TOKENS: "length of the incorrect validation responses (mean tokens; sampled by each run)",
+    BRIER: "Brier score of the validation responses' stated confidence (sampled by each run)",
 }
 STEP_TIME = "timing_s/step"  # verl's wall time of a training step
 
@@ -335,10 +440,13 @@ class ProbeComparison:
     comparison: CurveComparison
 
 
-def compare_probes(scores: dict[int, Scores]) -> dict[str, ProbeComparison]:
-    """{probe figure: AMIR minus GRPO at each checkpoint and averaged over training}, the seeds in ``scores``' order."""
+def compare_probes(scores: dict[int, Curves]) -> dict[str, ProbeComparison]:
+    """{figure: AMIR minus GRPO at each checkpoint and averaged over training}, the seeds in ``scores``' order,
+    for each figure of :data:`CURVE_FIGURES` that a run has."""
     out = {}
-    for figure in PROBE_FIGURES:
+    present = {figure for runs in scores.values() for steps in runs.values() for values in steps.values()
+               for figure, value in values.items() if value is not None and not math.isnan(value)}
+    for figure in (f for f in CURVE_FIGURES if f in present):
         steps, grpo, amir = probe_curves(scores, figure)
         out[figure] = ProbeComparison(steps, grpo, amir, compare_curves(steps, grpo, amir))
     return out
@@ -364,9 +472,10 @@ def run_facts(metrics: dict[int, dict[str, float]]) -> RunFacts:
                     sum(1 for m in train.values() if m.get(NUM_PAIRS)), median(times) if times else None)
 
 
-def read_run_facts(folder: Path) -> dict[str, RunFacts] | None:
+def read_run_facts(task: Task, folder: Path) -> dict[str, RunFacts] | None:
     """{label: RunFacts} of a seed's pair from each run's verl metrics file; None where a run has none."""
-    paths = {label: folder / run / VERL_METRICS_FILE for label, run in RUN_FOLDERS.items()}
+    run_dirs = task.run_dirs(folder)
+    paths = {label: run_dirs[run] / VERL_METRICS_FILE for label, run in RUN_FOLDERS.items()}
     if not all(path.exists() for path in paths.values()):
         return None
     return {label: run_facts(read_verl_metrics(path)) for label, path in paths.items()}
@@ -392,11 +501,12 @@ def probe_table(comparisons: dict[str, ProbeComparison], probe_set: str) -> str:
     pct = f"{CONFIDENCE:.0%}"
     any_comparison = next(iter(comparisons.values()))
     steps = any_comparison.steps
-    lines = [f"Probe set (the same for both runs of every seed): {probe_set}; scored at steps "
+    lines = [f"Probe set ({probe_set}); scored at steps "
              f"{', '.join(map(str, steps))} (step 0: the shared starting model)."]
     for figure, probe in comparisons.items():
         c = probe.comparison
-        lines += ["", f"{PROBE_FIGURES[figure]}:", "",
+        steps = probe.steps
+        lines += ["", f"{CURVE_FIGURES[figure]}:", "",
                   f"| step | seeds | {BASE} | {AMIR} | {AMIR} minus {BASE}, mean | {pct} interval (paired t) "
                   f"| detectable difference ({POWER:.0%} power) |",
                   "|---|---|---|---|---|---|---|"]
@@ -437,15 +547,17 @@ def facts_table(facts: dict[int, dict[str, RunFacts]]) -> str:
     return "\n".join(lines)
 
 
-def write_probe_csv(path: Path, scores: dict[int, Scores]) -> None:
+def write_probe_csv(path: Path, scores: dict[int, Curves]) -> None:
     fields = [name for name in ProbeScore.__dataclass_fields__]
+    fields += [f for f in CURVE_FIGURES if f not in fields and any(f in values for runs in scores.values()
+                                                                   for steps in runs.values() for values in steps.values())]
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["seed", "run", "step", *fields])
         for seed, runs in scores.items():
             for label, run in RUN_FOLDERS.items():
-                for step, score in sorted(runs[run].items()):
-                    writer.writerow([seed, label, step, *asdict(score).values()])
+                for step, values in sorted(runs[run].items()):
+                    writer.writerow([seed, label, step, *("" if values.get(f) is None else values[f] for f in fields)])
 
 
 def plot_probes(path: Path, comparisons: dict[str, ProbeComparison], title: str) -> Path:
@@ -512,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
         claim_workdir(workdir, settings)
         setting = task.prepare(workdir) if task.prepare is not None else []
         summaries, scores = run_study(task, workdir, seeds, steps, setting, args.overrides)
-        probe_set = shared_probe_set(workdir, list(scores)) if scores else None
+        probe_set = probe_set_text(task, workdir, list(scores)) if scores else None
     except StudyError as error:
         print(f"[study] error: {error}", file=sys.stderr)
         return error.status
@@ -524,13 +636,13 @@ def main(argv: list[str] | None = None) -> int:
     table = study_table(task, summaries, differences)
     steps_text = f"{steps} steps" if steps else "size study"
     title = f"{AMIR} minus {BASE}, {task.name}, {steps_text}, seeds {seeds[0]}-{seeds[-1]}"
-    facts = {seed: f for seed in summaries if (f := read_run_facts(seed_dir(workdir, seed))) is not None}
+    facts = {seed: f for seed in summaries if (f := read_run_facts(task, seed_dir(workdir, seed))) is not None}
     if facts:
         table += "\n\nPer seed, from the runs' verl metrics:\n\n" + facts_table(facts)
     figures_png = workdir / "study.png"
     if scores:
         comparisons = compare_probes(scores)
-        table += "\n\n" + probe_table(comparisons, probe_set.description)
+        table += "\n\n" + probe_table(comparisons, probe_set)
         write_probe_csv(workdir / "study_probes.csv", scores)
         plot_probes(workdir / "study.png", comparisons, f"probe set, {title}")
         figures_png = workdir / "study_figures.png"
