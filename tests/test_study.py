@@ -365,3 +365,17 @@ def test_validation_curves_read_each_dump_by_hand(tmp_path):
     assert curves[0][study.INCORRECT_TOKENS] == pytest.approx((3 + 5) / 2)
     assert curves[0][study.BRIER] == pytest.approx(((0 - 0.9) ** 2 + (1 - 0.5) ** 2) / 2)  # -1: no confidence
     assert math.isnan(curves[2][study.INCORRECT_TOKENS]) and curves[2][study.BRIER] == pytest.approx(0.04)
+
+
+def test_a_seeds_wall_time_is_read_off_its_files(tmp_path, monkeypatch):
+    import os
+
+    for seed, (first, last) in {0: (1000.0, 1250.0), 1: (2000.0, 2100.0)}.items():
+        folder = study.seed_dir(tmp_path, seed)
+        (folder / "data").mkdir(parents=True)
+        for name, when in (("data/a.parquet", first), ("b.json", (first + last) / 2), ("probe_scores.json", last)):
+            (folder / name).write_text("x")
+            os.utime(folder / name, (when, when))
+    assert study.seed_wall_time(study.seed_dir(tmp_path, 0)) == 250.0
+    monkeypatch.setattr(study, "available_cores", lambda: 2)
+    assert study.wall_time_line(tmp_path, [0, 1]).endswith("350 s for the 2 seeds, 100 to 250 s a seed, on 2 cores.")

@@ -57,6 +57,7 @@ from amir_verl.metrics import NUM_PAIRS, format_value
 from amir_verl.paper_pipeline import VARIANTS
 from amir_verl.paper_pipeline.pipeline import SIZES
 from amir_verl.results_page import write_results
+from amir_verl.reward.bounded import available_cores
 from amir_verl.study import toy_setting
 from amir_verl.study.probes import DEMO_RUNS, PROBE_FILE, ProbeScore, ProbeSet, probe_curves
 from amir_verl.study.statistics import (
@@ -527,6 +528,20 @@ def probe_table(comparisons: dict[str, ProbeComparison], probe_set: str) -> str:
     return "\n".join(lines)
 
 
+def seed_wall_time(folder: Path) -> float:
+    """Seconds from the first file a seed's pair wrote to its last (its data to its probe scores): the seed's
+    wall time, read off the files, so that a resumed study reports it too."""
+    times = [path.stat().st_mtime for path in folder.rglob("*") if path.is_file()]
+    return max(times) - min(times) if times else 0.0
+
+
+def wall_time_line(workdir: Path, seeds: list[int]) -> str:
+    times = [seed_wall_time(seed_dir(workdir, seed)) for seed in seeds]
+    return (f"- Wall time, from each seed folder's first file to its last (training, merging, evaluation and "
+            f"scoring): {sum(times):,.0f} s for the {len(seeds)} seeds, {min(times):,.0f} to {max(times):,.0f} s a seed, "
+            f"on {available_cores()} cores.")
+
+
 def facts_table(facts: dict[int, dict[str, RunFacts]]) -> str:
     """One row per seed: validation accuracy first -> last per run, AMIR's steps with pairs, the step times."""
     lines = [f"| seed | {BASE} validation accuracy, first -> last | {AMIR} validation accuracy, first -> last "
@@ -639,6 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     facts = {seed: f for seed in summaries if (f := read_run_facts(task, seed_dir(workdir, seed))) is not None}
     if facts:
         table += "\n\nPer seed, from the runs' verl metrics:\n\n" + facts_table(facts)
+    table += "\n" + wall_time_line(workdir, list(summaries))
     figures_png = workdir / "study.png"
     if scores:
         comparisons = compare_probes(scores)
