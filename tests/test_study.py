@@ -377,5 +377,7 @@ def test_a_seeds_wall_time_is_read_off_its_files(tmp_path, monkeypatch):
             (folder / name).write_text("x")
             os.utime(folder / name, (when, when))
     assert study.seed_wall_time(study.seed_dir(tmp_path, 0)) == 250.0
+    os.utime(study.seed_dir(tmp_path, 0) / "b.json")  # copied elsewhere: new times; the measured figure stays
+    assert study.seed_wall_time(study.seed_dir(tmp_path, 0)) == 250.0
     monkeypatch.setattr(study, "available_cores", lambda: 2)
     assert study.wall_time_line(tmp_path, [0, 1]).endswith("350 s for the 2 seeds, 100 to 250 s a seed, on 2 cores.")

@@ -169,14 +169,22 @@ def _smollm2_score(study_dir: Path, folder: Path, progress: Callable[[str], None
     return score_pair(folder, _smollm2_run_dirs(folder), model, make_probe_set, adapter=adapter, progress=progress)
 
 
+VALIDATION_FIGURES_FILE = "validation_figures.json"  # a run's validation_curves, read back once written
+
+
 def _smollm2_sampled(folder: Path) -> Curves:
-    """Each run's :func:`validation_curves`; step 0 is the first run's (the pipeline validates a pair's shared
-    start once)."""
+    """Each run's :func:`validation_curves` (kept in ``<run dir>/validation_figures.json``); step 0 is the first
+    run's (the pipeline validates a pair's shared start once)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(folder / "models" / "smollm2_cold_start")
-    curves = {run: validation_curves(run_dir / "validation", tokenizer)
-              for run, run_dir in _smollm2_run_dirs(folder).items()}
+    curves = {}
+    for run, run_dir in _smollm2_run_dirs(folder).items():
+        kept = run_dir / VALIDATION_FIGURES_FILE
+        if not kept.exists():
+            tokenizer = AutoTokenizer.from_pretrained(folder / "models" / "smollm2_cold_start")
+            kept.write_text(json.dumps({str(step): figures for step, figures in
+                                        validation_curves(run_dir / "validation", tokenizer).items()}) + "\n")
+        curves[run] = {int(step): figures for step, figures in json.loads(kept.read_text()).items()}
     first, second = DEMO_RUNS
     if 0 in curves[first]:
         curves[second].setdefault(0, curves[first][0])
@@ -390,6 +398,7 @@ def run_study(task: Task, workdir: Path, seeds: list[int], steps: int | None, se
             for label, run in RUN_FOLDERS.items():
                 print(f"[study] seed {seed} {label}: {_probe_line(probe_scores[run])}", flush=True)
             sampled = task.sampled(folder) if task.sampled is not None else {}
+            seed_wall_time(folder)  # the seed's files are all written
             scores[seed] = {run: {step: {**sampled.get(run, {}).get(step, {}),
                                          **(asdict(probe_scores[run][step]) if step in probe_scores[run] else {})}
                                   for step in sorted(probe_scores[run].keys() | sampled.get(run, {}).keys())}
@@ -528,11 +537,20 @@ def probe_table(comparisons: dict[str, ProbeComparison], probe_set: str) -> str:
     return "\n".join(lines)
 
 
+WALL_TIME_FILE = "wall_time.json"
+
+
 def seed_wall_time(folder: Path) -> float:
-    """Seconds from the first file a seed's pair wrote to its last (its data to its probe scores): the seed's
-    wall time, read off the files, so that a resumed study reports it too."""
+    """Seconds from the first file a seed's pair wrote to its last (its data to its probe scores), read off the
+    files' times once and kept in ``<folder>/wall_time.json``: a resumed study, or a copy of the folder (whose
+    files have new times), reports the figure measured."""
+    kept = folder / WALL_TIME_FILE
+    if kept.exists():
+        return json.loads(kept.read_text())["seconds"]
     times = [path.stat().st_mtime for path in folder.rglob("*") if path.is_file()]
-    return max(times) - min(times) if times else 0.0
+    seconds = max(times) - min(times) if times else 0.0
+    kept.write_text(json.dumps({"seconds": round(seconds, 1)}) + "\n")
+    return round(seconds, 1)
 
 
 def wall_time_line(workdir: Path, seeds: list[int]) -> str:
