@@ -483,12 +483,19 @@ def run_facts(metrics: dict[int, dict[str, float]]) -> RunFacts:
 
 
 def read_run_facts(task: Task, folder: Path) -> dict[str, RunFacts] | None:
-    """{label: RunFacts} of a seed's pair from each run's verl metrics file; None where a run has none."""
+    """{label: RunFacts} of a seed's pair from each run's verl metrics file; None where a run has none. A run not
+    validated before training (the paper pipeline validates a pair's shared start once, in its first run) starts
+    from the other run's validation at step 0."""
     run_dirs = task.run_dirs(folder)
     paths = {label: run_dirs[run] / VERL_METRICS_FILE for label, run in RUN_FOLDERS.items()}
     if not all(path.exists() for path in paths.values()):
         return None
-    return {label: run_facts(read_verl_metrics(path)) for label, path in paths.items()}
+    metrics = {label: read_verl_metrics(path) for label, path in paths.items()}
+    starts = [m[0] for m in metrics.values() if validation_accuracy(m.get(0, {})) is not None]
+    for m in metrics.values():
+        if starts and validation_accuracy(m.get(0, {})) is None:
+            m[0] = {**m.get(0, {}), **starts[0]}
+    return {label: run_facts(m) for label, m in metrics.items()}
 
 
 def step_time_ratio(facts: dict[str, RunFacts]) -> float | None:
