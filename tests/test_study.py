@@ -54,7 +54,9 @@ def stand_in_task(calls: list, fail_on: int | None = None) -> study.Task:
     def main(argv):
         folder, seed = argv[argv.index("--workdir") + 1], int(argv[argv.index("--seed") + 1])
         calls.append(seed)
-        if seed == fail_on:
+        if seed == fail_on:  # stopped halfway: some of its files are written
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            (Path(folder) / "partial.txt").write_text("the stopped attempt's")
             return 1
         runs = {label: {run_figures.REWARD: 0.1 + seed, run_figures.VALIDATION_ACCURACY: None,
                         run_figures.MARGIN: FIGURE_VALUES[seed][i], run_figures.PAIR_ACCURACY: 0.5,
@@ -81,6 +83,8 @@ def test_the_study_resumes_refuses_other_settings_and_reports_a_failed_seed(tmp_
     out = capsys.readouterr().out
     assert calls == [0, 1, 2, 2]
     assert "seed 0 (1 of 3): done earlier" in out and "seed 2 AMIR-GRPO: reward 2.100" in out
+    # seed 2 was redone from an empty folder, so its wall time (read off its files' times) is this attempt's
+    assert "seed 2: removing the files of a stopped attempt" in out and not (work / "seed_2" / "partial.txt").exists()
     mean, half = by_hand([a - g for g, a in FIGURE_VALUES.values()])
     table = (work / "study.md").read_text()
     row = re.search(r"^\| margin \| 3 \| -0.2500 \| -0.0667 \| (\S+) \| \[(\S+), (\S+)\] \| 3 / 0 \|$", table, re.M)

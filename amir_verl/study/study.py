@@ -32,7 +32,7 @@ the end-of-run figures then in ``study_figures.png``). With ``--record`` the rep
 ``docs/results/study_<task>.md`` too (:mod:`amir_verl.results_page`), where the documentation includes it. It
 resumes: a seed whose summary.json exists is read, not rerun (and a run's probe scores file is read, not
 rescored), as long as the task, steps, overrides and setting are those recorded in ``<workdir>/study.json``;
-a seed stopped halfway is redone.
+a seed stopped halfway is redone from an empty folder.
 """
 
 from __future__ import annotations
@@ -382,6 +382,10 @@ def run_study(task: Task, workdir: Path, seeds: list[int], steps: int | None, se
                   flush=True)
         else:
             print(f"[study] seed {seed} ({number} of {len(seeds)}): training {BASE} and {AMIR} in {folder}", flush=True)
+            if folder.exists():  # a stopped attempt's files: the seed is redone from nothing, and its wall time
+                # (seed_wall_time, read off the files' times) covers this attempt only
+                print(f"[study] seed {seed}: removing the files of a stopped attempt", flush=True)
+                shutil.rmtree(folder)
             trained_from = time.monotonic()
             status = task.main(task.argv(folder, seed, steps, [*setting, *overrides]))
             if status == 130:  # the demo and the pipeline catch Ctrl-C themselves, stop their runs and return 130
