@@ -9,8 +9,8 @@ virtual environment off the PATH) with ``PYTEST_ADDOPTS=--durations=20``, and sa
 ``--record`` writes to docs/results/ci.md (:mod:`amir_verl.results_page`): the exit status, the tests passed /
 failed / skipped (pytest's last line), pytest's time, the whole run's time (the install included), the CPU
 seconds and peak memory of the machine over the run (other work on the machine counts too: run it idle), and the
-10 slowest tests. About 25 minutes on 2 cores; ``.ci/run``'s output goes to ``ci.log`` in the clone (``--keep``
-keeps the clone).
+10 slowest tests. It takes as long as CI (docs/results/ci.md); ``.ci/run``'s output goes to ``ci.log`` in the
+clone (``--keep`` keeps the clone).
 """
 
 from __future__ import annotations
