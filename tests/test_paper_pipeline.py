@@ -352,3 +352,45 @@ def test_auto_picks_vllm_where_it_is_installed_and_a_named_engine_is_kept(monkey
     monkeypatch.setattr(pipeline, "vllm_installed", lambda: installed)
     assert pipeline.chosen_rollout("auto") == ("vllm" if installed else "hf")
     assert [pipeline.chosen_rollout(engine) for engine in ROLLOUTS] == list(ROLLOUTS)
+
+
+def test_the_train_filter_keeps_one_epoch_of_the_first_prompts_with_both_outcomes_under_the_start(tmp_path):
+    """filter_train against each row's samples drawn on their own (sampled_probe_set, one row at a time): the
+    first steps x prompts_per_step rows, in file order, with 2 to 6 of 8 correct, a chunk of rows at a time;
+    then a filter that keeps fewer than one epoch's rows asks for more epochs, and one that keeps fewer than a
+    step's is refused. The toy's random model, graded by the parity of the response's characters' sum."""
+    import dataclasses
+
+    import pyarrow.parquet as pq
+
+    from amir_verl.demo.toy_task import make_dataset, make_model, make_tokenizer
+    from amir_verl.paper_pipeline.pipeline import PipelineError, Size, filter_train
+    from amir_verl.study.probes import sampled_probe_set
+
+    model_dir = tmp_path / "model"
+    make_model(model_dir, make_tokenizer(model_dir), seed=3)
+    train = make_dataset(tmp_path / "data" / "gsm8k", n_train=16, n_test=1)["train"]
+    rows = pq.read_table(train).to_pylist()
+    size = Size(steps=3, prompts_per_step=2, response_tokens=6, train_problems=16, gsm8k_test_problems=1,
+                eval_problems=1, cold_start_steps=1, train_filter_samples=8)
+
+    def grade(data_source, text, ground_truth, extra_info):
+        return {"acc": float(sum(map(ord, text)) % 2 == 0)}
+
+    correct = [sum(r.correct for r in sampled_probe_set(model_dir, [row], 8, 6, seed=5, grade=grade,
+                                                        keep_without_both=True).prompts[0].responses) for row in rows]
+    qualifying = [k for k, c in enumerate(correct) if 2 <= c <= 6]
+    assert len(qualifying) >= 6, correct  # the grade splits the samples of enough rows for this check
+    overrides = filter_train(tmp_path, tmp_path / "data", model_dir, size, seed=5, grade=grade, chunk=5)
+    out = tmp_path / "data" / "train_filtered.parquet"
+    assert overrides == [f"data.train_files={out}", "trainer.total_epochs=1"]
+    assert pq.read_table(out).to_pylist() == [rows[k] for k in qualifying[:6]]
+    assert pq.read_table(out).schema == pq.read_table(train).schema
+
+    longer = dataclasses.replace(size, steps=len(qualifying))  # one epoch would need twice the rows that qualify
+    overrides = filter_train(tmp_path, tmp_path / "data", model_dir, longer, seed=5, grade=grade)
+    assert overrides[1] == f"trainer.total_epochs={-(-len(qualifying) // (len(qualifying) // 2))}"
+    assert pq.read_table(out).num_rows == len(qualifying)
+
+    with pytest.raises(PipelineError, match="0 of 16 training prompts hold both outcomes"):
+        filter_train(tmp_path, tmp_path / "data", model_dir, size, seed=5, grade=lambda *a: {"acc": 0.0})

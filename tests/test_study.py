@@ -176,8 +176,9 @@ def test_bad_arguments_are_refused(capsys):
 
 
 def test_the_smollm2_study_fixes_the_lambda_of_the_amir_run_only(monkeypatch, tmp_path):
-    """The study's argv goes through the pipeline's own parser and ``train``: the lr to both runs, the fixed lambda
-    to AMIR-GRPO's command alone (after the recipe's keys, so it wins), composed into its config."""
+    """The study's argv goes through the pipeline's own parser and ``train``: the lr and the filtered training
+    prompts to both runs, the fixed lambda to AMIR-GRPO's command alone (after the recipe's keys, so it wins),
+    composed into its config."""
     from amir_verl.paper_pipeline import pipeline
     from tests.support import compose_recipe
 
@@ -185,11 +186,13 @@ def test_the_smollm2_study_fixes_the_lambda_of_the_amir_run_only(monkeypatch, tm
     monkeypatch.setattr(pipeline, "run_main_ppo_together", lambda runs, timeout: commands.update(runs))
     for stage in ("prepare_data", "prepare_model", "initial_adapter"):
         monkeypatch.setattr(pipeline, stage, lambda *args: tmp_path / stage)
+    filtered = [f"data.train_files={tmp_path / 'filtered.parquet'}", "trainer.total_epochs=2"]
+    monkeypatch.setattr(pipeline, "filter_train", lambda *args: filtered)  # tests/test_paper_pipeline.py checks it
     monkeypatch.setattr(pipeline, "merge", lambda *args: (_ for _ in ()).throw(pipeline.PipelineError("stop here")))
     argv = study.TASKS["smollm2"].argv(tmp_path / "seed_0", 0, None, [])
     assert pipeline.main(argv) == 1  # stopped at the merge, after train built both commands
     grpo, amir = (commands[v].cmd for v in ("grpo", "amir_grpo"))
-    for override in study.SMOLLM2_STUDY_OVERRIDES:
+    for override in [*study.SMOLLM2_STUDY_OVERRIDES, *filtered]:  # both runs train on the filtered prompts
         assert override in grpo and override in amir
     amir_only = list(study.SMOLLM2_STUDY_AMIR_OVERRIDES)
     assert amir[-len(amir_only):] == amir_only and not set(amir_only) & set(grpo)

@@ -14,7 +14,8 @@ Stages (each a command a user runs on a GPU cluster too, here with the CPU backe
    model earns reward 0 on it, so no pair would be mined and AMIR would never act;
 4. **initial adapter**: ``python -m amir_verl.lora_init`` with the recipe's LoRA rank and alpha and ``--seed``,
    which every run loads (``actor_rollout_ref.model.lora_adapter_path``): compared runs start from the same
-   weights, adapter included (verl would otherwise draw each run's A matrices afresh);
+   weights, adapter included (verl would otherwise draw each run's A matrices afresh); with the ``study`` size,
+   the training prompts are then filtered to those that hold both outcomes under that start (:func:`filter_train`);
 5. **train**: ``recipes/paper/run.sh`` with the paper recipes as written (``paper_grpo``, ``paper_amir_grpo``;
    with ``--gspo`` also ``paper_gspo``, ``paper_amir_gspo``), side by side (on vLLM one after the other,
    :data:`RUNS_AT_ONCE`), plus only :data:`CPU_OVERRIDES`
@@ -143,6 +144,9 @@ class Size:
     cold_start_steps: int
     overlong_problems: int = 0  # OlympiadBench problems with a prompt over the recipe's limit (the filter drops them)
     checkpoint_every: int | None = None  # also validate and checkpoint every this many steps (None: the last only)
+    # train only on prompts whose this many samples from the starting policy hold both outcomes, at least
+    # FILTER_MIN_EACH of each (None: every prompt; :func:`filter_train`)
+    train_filter_samples: int | None = None
 
     def overrides(self) -> list[str]:
         every = self.checkpoint_every or self.steps
@@ -164,10 +168,14 @@ SIZES = {
                  eval_problems=1, cold_start_steps=4),
     # one seed of `python -m amir_verl.study --task smollm2`: the test size's lengths, 10 steps, validated and
     # checkpointed every 2 steps (each checkpoint is scored on the probe set; each validation gives the sampled
-    # responses' lengths and Brier score), more validation problems with both outcomes
-    "study": Size(steps=10, prompts_per_step=2, response_tokens=40, train_problems=32, gsm8k_test_problems=4,
-                  eval_problems=1, cold_start_steps=8, checkpoint_every=2),
+    # responses' lengths and Brier score), more validation problems with both outcomes, and training prompts
+    # with both outcomes under the starting policy: unfiltered, 2 groups a step left steps with no pair (seed 1,
+    # 2026-12-08: steps 1-4 of both runs had every response's reward equal, so AMIR-GRPO was GRPO)
+    "study": Size(steps=10, prompts_per_step=2, response_tokens=40, train_problems=64, gsm8k_test_problems=4,
+                  eval_problems=1, cold_start_steps=8, checkpoint_every=2, train_filter_samples=8),
 }
+FILTER_MIN_EACH = 2  # of the filter's samples, at least this many correct and this many incorrect
+FILTERED_TRAIN = "train_filtered.parquet"  # under <workdir>/data/
 RUN_TIMEOUT_S = 3600
 
 
@@ -241,6 +249,44 @@ def initial_adapter(work: Path, model: Path, seed: int) -> Path:
     log(f"initial adapter: rank {model_keys.lora_rank}, alpha {model_keys.lora_alpha}, seed {seed} -> {out} "
         "(every run starts from it)")
     return out
+
+
+def filter_train(work: Path, data: Path, model: Path, size: Size, seed: int, grade=None, chunk: int = 8) -> list[str]:
+    """The training prompts both outcomes can be mined from at the start: in file order, the first
+    ``size.steps x size.prompts_per_step`` rows of ``data/gsm8k/train.parquet`` (one epoch) whose
+    ``size.train_filter_samples`` responses sampled from ``model`` (the starting policy: the initial adapter's
+    B is 0) at temperature 1, up to ``size.response_tokens`` tokens, ``torch.manual_seed(seed)`` before each
+    prompt (:func:`amir_verl.study.probes.sampled_probe_set`), graded by ``grade`` (default the paper's reward),
+    hold at least :data:`FILTER_MIN_EACH` correct and as many incorrect ones. Written, with the file's schema,
+    to ``work/data/train_filtered.parquet``; fewer rows than one step needs is an error. Returns the runs'
+    overrides: that file, and as many epochs over it as ``size.steps`` need (the recipe has one)."""
+    import pyarrow.parquet as pq
+
+    from amir_verl.study.probes import sampled_probe_set
+
+    source = data / "gsm8k" / "train.parquet"
+    table = pq.read_table(source)
+    rows, wanted, samples = table.to_pylist(), size.steps * size.prompts_per_step, size.train_filter_samples
+    kept: list[int] = []
+    examined = 0
+    while examined < len(rows) and len(kept) < wanted:  # a chunk at a time, until one epoch's rows are kept
+        probed = sampled_probe_set(model, rows[examined:examined + chunk], samples_per_prompt=samples,
+                                   max_new_tokens=size.response_tokens, seed=seed, grade=grade, keep_without_both=True)
+        for number, prompt in enumerate(probed.prompts, start=examined):
+            correct = sum(response.correct for response in prompt.responses)
+            if FILTER_MIN_EACH <= correct <= samples - FILTER_MIN_EACH and len(kept) < wanted:
+                kept.append(number)
+        examined = min(len(rows), examined + chunk)
+    if len(kept) < size.prompts_per_step:
+        raise PipelineError(f"train filter: {len(kept)} of {examined} training prompts hold both outcomes in "
+                            f"{samples} samples from {model.name}, fewer than one step's {size.prompts_per_step}")
+    out = work / "data" / FILTERED_TRAIN
+    pq.write_table(table.take(kept), out)
+    epochs = -(-size.steps // (len(kept) // size.prompts_per_step))  # verl's loader drops a last partial batch
+    log(f"train filter: {len(kept)} of the first {examined} training prompts hold at least {FILTER_MIN_EACH} correct "
+        f"and {FILTER_MIN_EACH} incorrect of {samples} samples from {model.name} -> {out}"
+        + (f"; {epochs} epochs over them" if epochs > 1 else ""))
+    return [f"data.train_files={out}", f"trainer.total_epochs={epochs}"]
 
 
 def comparison_overrides(variant: str, pair: tuple[str, str], adapter: Path) -> list[str]:
@@ -406,7 +452,10 @@ def main(argv: list[str] | None = None) -> int:
         adapter = initial_adapter(work, model, args.seed)
         log(f"rollout engine: {ROLLOUT_ENGINES[rollout]} (--rollout {args.rollout}); "
             f"{threads_per_run(rollout)} thread(s) per run")
-        metrics = train(work, pairs, model, adapter, data, size, args.overrides, args.amir_override, rollout)
+        overrides = list(args.overrides)
+        if size.train_filter_samples:  # before the user's overrides, which may name other training files
+            overrides[:0] = filter_train(work, data, model, size, args.seed)
+        metrics = train(work, pairs, model, adapter, data, size, overrides, args.amir_override, rollout)
         merged = merge(work, variants, size)
         outputs = evaluate(work, pairs, merged, model)
     except KeyboardInterrupt:
