@@ -277,6 +277,7 @@ def filter_train(work: Path, data: Path, model: Path, size: Size, seed: int, gra
             if FILTER_MIN_EACH <= correct <= samples - FILTER_MIN_EACH and len(kept) < wanted:
                 kept.append(number)
         examined = min(len(rows), examined + chunk)
+        log(f"train filter: {examined} of {len(rows)} training prompts sampled, {len(kept)} kept")
     if len(kept) < size.prompts_per_step:
         raise PipelineError(f"train filter: {len(kept)} of {examined} training prompts hold both outcomes in "
                             f"{samples} samples from {model.name}, fewer than one step's {size.prompts_per_step}")
