@@ -119,7 +119,7 @@ def test_a_sampled_probe_set_is_the_starting_policys_graded_samples(toy):
     from amir_verl.demo.toy_task import compute_score
 
     rows = probes.read_rows(toy["test"])
-    build = dict(samples_per_prompt=8, max_new_tokens=4, seed=1, grade=compute_score)
+    build = dict(samples_per_prompt=8, max_new_tokens=4, seed=4, grade=compute_score)  # 3 of 6 with both
     everything = probes.sampled_probe_set(toy["model_dir"], rows, keep_without_both=True, **build)
     assert len(everything.prompts) == len(rows)
     assert probes.sampled_probe_set(toy["model_dir"], rows, keep_without_both=True, **build) == everything
@@ -133,7 +133,15 @@ def test_a_sampled_probe_set_is_the_starting_policys_graded_samples(toy):
             verdict = compute_score(row["data_source"], r.text, list(row["reward_model"]["ground_truth"]))
             assert r.correct == (verdict["acc"] == 1)
     kept = probes.sampled_probe_set(toy["model_dir"], rows, **build)
-    assert kept.prompts == tuple(p for p in everything.prompts if p.has_both) and kept.prompts  # 1 of 6 at seed 1
+    assert kept.prompts == tuple(p for p in everything.prompts if p.has_both) and kept.prompts
+    # each prompt's own stream: the same samples alone or among the others, in any order
+    alone = probes.sampled_probe_set(toy["model_dir"], rows[3:4], keep_without_both=True, **build)
+    assert alone.prompts[0].responses == everything.prompts[3].responses
+    backwards = probes.sampled_probe_set(toy["model_dir"], rows[::-1], keep_without_both=True, **build)
+    assert backwards.prompts == everything.prompts[::-1]
+    # and no stream shared between prompts, or between seeds
+    streams = {probes.prompt_seed(seed, row["prompt"]) for seed in (4, 5) for row in rows}
+    assert len(streams) == 2 * len(rows)
     assert_scores_match(probes.score_policy(toy["model"], kept), plain_scores(toy["model"], kept))
 
 

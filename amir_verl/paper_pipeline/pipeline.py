@@ -255,8 +255,8 @@ def filter_train(work: Path, data: Path, model: Path, size: Size, seed: int, gra
     """The training prompts both outcomes can be mined from at the start: in file order, the first
     ``size.steps x size.prompts_per_step`` rows of ``data/gsm8k/train.parquet`` (one epoch) whose
     ``size.train_filter_samples`` responses sampled from ``model`` (the starting policy: the initial adapter's
-    B is 0) at temperature 1, up to ``size.response_tokens`` tokens, ``torch.manual_seed(seed)`` before each
-    prompt (:func:`amir_verl.study.probes.sampled_probe_set`), graded by ``grade`` (default the paper's reward),
+    B is 0) at temperature 1, up to ``size.response_tokens`` tokens, each prompt from a random stream of its own
+    (:func:`amir_verl.study.probes.sampled_probe_set`), graded by ``grade`` (default the paper's reward),
     hold at least :data:`FILTER_MIN_EACH` correct and as many incorrect ones. Written, with the file's schema,
     to ``work/data/train_filtered.parquet``; fewer rows than one step needs is an error. Returns the runs'
     overrides: that file, and as many epochs over it as ``size.steps`` need (the recipe has one)."""

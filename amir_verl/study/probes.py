@@ -183,8 +183,10 @@ def sampled_probe_set(model_dir: Path, rows: Sequence[dict], samples_per_prompt:
     each row, at ``temperature`` with no top-k or top-p (verl's validation sampling), graded by ``grade``
     (``grade(data_source, text, ground_truth, extra_info) -> {"acc": 0 or 1, ...}``; default the paper's reward
     :func:`amir_verl.reward.calibrated.compute_score`). Prompts whose samples are all correct or all incorrect
-    have no margin and are dropped unless ``keep_without_both``. ``torch.manual_seed(seed)`` before each
-    prompt's sampling, so a prompt's samples do not depend on the others."""
+    have no margin and are dropped unless ``keep_without_both``. Each prompt samples from a random stream of its
+    own, seeded by :func:`prompt_seed` (``seed`` and the prompt's text): its samples depend neither on the
+    other prompts nor on its place among them, and two prompts do not share the draws (with one stream for
+    every prompt, a draw that turns one response wrong turned the same response of every similar prompt wrong)."""
     import torch
 
     from amir_verl.evaluation.analyses import load_model
@@ -201,7 +203,7 @@ def sampled_probe_set(model_dir: Path, rows: Sequence[dict], samples_per_prompt:
     prompts = []
     for number, row in enumerate(rows):
         ids = prompt_ids(tokenizer, list(row["prompt"]))
-        torch.manual_seed(seed)
+        torch.manual_seed(prompt_seed(seed, row["prompt"]))
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                  do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
@@ -222,6 +224,13 @@ def sampled_probe_set(model_dir: Path, rows: Sequence[dict], samples_per_prompt:
                           f"(temperature {temperature}, up to {max_new_tokens} tokens, seed {seed}) and graded; "
                           f"prompts with both outcomes" + (" and the others" if keep_without_both else ""),
                     tuple(prompts))
+
+
+def prompt_seed(seed: int, messages: Sequence[dict]) -> int:
+    """The seed of a prompt's random stream in :func:`sampled_probe_set`: ``seed`` and the prompt's messages,
+    hashed (SHA-256, the first 8 bytes)."""
+    text = json.dumps([seed, [dict(m) for m in messages]], sort_keys=True)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
